@@ -1,0 +1,7 @@
+"""keras-mha: multi-head attention for Keras 3 on every backend."""
+
+from keras_mha.layer import MultiHeadAttention
+
+__version__ = "0.1.0"
+
+__all__ = ["MultiHeadAttention"]

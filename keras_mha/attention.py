@@ -1,0 +1,133 @@
+"""Attention algorithms as pure functions of projected heads.
+
+Shapes: query `(B, T, N, H)`, key `(B, S, K, H)`, value `(B, S, K, V)`,
+mask broadcastable to `(B, N, T, S)` (`True` = may attend). `N % K == 0`;
+query head `n` reads key/value head `n // (N // K)`.
+
+Every function here gives the same numbers: a query row with no allowed key
+gets weights of exactly 0 and a context of 0. Inputs in float16/bfloat16 are
+computed in float32 and cast back, so large activations cannot overflow.
+"""
+
+from keras import ops
+
+from keras_mha import masks as masks_lib
+
+# Masked logits are replaced by this before the softmax (float32 scores).
+# Finite, so rows with nothing to attend to stay finite before being zeroed.
+MASKED_LOGIT = -1e30
+
+_HALF_DTYPES = ("float16", "bfloat16")
+
+
+def upcast(*tensors):
+    """Casts half-precision tensors to float32, leaving others alone."""
+    return [
+        ops.cast(x, "float32") if ops.dtype(x) in _HALF_DTYPES else x
+        for x in tensors
+    ]
+
+
+def masked_softmax(scores, mask):
+    """Softmax over the last axis; masked keys and empty rows get 0."""
+    if mask is None:
+        return ops.softmax(scores, axis=-1)
+    scores = ops.where(mask, scores, ops.cast(MASKED_LOGIT, scores.dtype))
+    weights = ops.softmax(scores, axis=-1)
+    # A row whose keys are all masked is uniform here; the product zeroes it.
+    return ops.multiply(weights, ops.cast(mask, weights.dtype))
+
+
+def _group_queries(query, num_kv_heads):
+    """`(B, T, N, H)` -> `(B, T, K, G, H)`, `G = N // K`."""
+    shape = ops.shape(query)
+    groups = query.shape[2] // num_kv_heads
+    return ops.reshape(
+        query, (shape[0], shape[1], num_kv_heads, groups, query.shape[3])
+    )
+
+
+def dense_attention(query, key, value, mask=None, scale=1.0, dropout=None):
+    """Explicit attention that materializes the `(B, N, T, S)` weights.
+
+    Args:
+        query: `(B, T, N, H)`.
+        key: `(B, S, K, H)`.
+        value: `(B, S, K, V)`.
+        mask: `None` or boolean, broadcastable to `(B, N, T, S)`.
+        scale: multiplies the logits, usually `1 / sqrt(H)`.
+        dropout: `None` or a callable applied to the weights.
+
+    Returns:
+        `(output, weights)`: `(B, T, N, V)` in the query's dtype and the
+        attention weights `(B, N, T, S)` before dropout.
+    """
+    out_dtype = query.dtype
+    query, key, value = upcast(query, key, value)
+    num_heads, num_kv_heads = query.shape[2], key.shape[2]
+    query = ops.multiply(query, ops.cast(scale, query.dtype))
+    if num_kv_heads == num_heads:
+        scores = ops.einsum("btnh,bsnh->bnts", query, key)  # (B, N, T, S)
+    else:
+        grouped = _group_queries(query, num_kv_heads)  # (B, T, K, G, H)
+        scores = ops.einsum("btkgh,bskh->bkgts", grouped, key)
+        shape = ops.shape(scores)
+        scores = ops.reshape(
+            scores, (shape[0], num_heads, shape[3], shape[4])
+        )  # (B, N, T, S)
+    weights = masked_softmax(scores, mask)
+    dropped = weights if dropout is None else dropout(weights)
+    if num_kv_heads == num_heads:
+        output = ops.einsum("bnts,bsnv->btnv", dropped, value)
+    else:
+        shape = ops.shape(dropped)
+        grouped = ops.reshape(
+            dropped,
+            (shape[0], num_kv_heads, num_heads // num_kv_heads)
+            + (shape[2], shape[3]),
+        )  # (B, K, G, T, S)
+        output = ops.einsum("bkgts,bskv->btkgv", grouped, value)
+        shape = ops.shape(output)
+        output = ops.reshape(
+            output, (shape[0], shape[1], num_heads, value.shape[-1])
+        )  # (B, T, N, V)
+    return ops.cast(output, out_dtype), weights
+
+
+def fused_attention(
+    query,
+    key,
+    value,
+    mask=None,
+    is_causal=False,
+    scale=1.0,
+    flash_attention=None,
+):
+    """Attention through `keras.ops.dot_product_attention`.
+
+    Same arguments and result as `dense_attention`, without the weights.
+    `is_causal=True` is only passed on when `mask` is `None`, so the backend
+    can use its native causal kernel; otherwise the caller folds causality
+    into `mask`.
+    """
+    out_dtype = query.dtype
+    query, key, value = upcast(query, key, value)
+    has_key = None
+    if mask is not None:
+        # The fused kernels answer rows with nothing to attend to with the
+        # mean of the values (or NaN); open those rows, then zero them.
+        has_key = masks_lib.has_any_key(mask)  # (B|1, N|1, T, 1)
+        mask = ops.logical_or(mask, ops.logical_not(has_key))
+    output = ops.dot_product_attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        scale=scale,
+        is_causal=is_causal and mask is None,
+        flash_attention=flash_attention,
+    )  # (B, T, N, V)
+    if has_key is not None:
+        keep = ops.transpose(has_key, (0, 2, 1, 3))  # (B|1, T, N|1, 1)
+        output = ops.multiply(output, ops.cast(keep, output.dtype))
+    return ops.cast(output, out_dtype)

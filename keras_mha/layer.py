@@ -1,0 +1,723 @@
+"""`keras_mha.MultiHeadAttention`: projections around the attention paths."""
+
+import math
+import string
+
+import keras
+from keras import ops
+
+from keras_mha import attention as attention_lib
+from keras_mha import dispatch
+from keras_mha import masks as masks_lib
+
+
+def _check_positive_int(name, value, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        expected = "a positive integer" + (" or `None`" if allow_none else "")
+        raise ValueError(
+            f"Argument `{name}` must be {expected}. Received: {name}={value!r}"
+        )
+
+
+def _projection_equation(free_dims, bound_dims, output_dims):
+    """EinsumDense equation and bias axes, letter for letter as in Keras.
+
+    Keeping Keras's equations keeps the kernels' shapes, and so
+    `set_weights(keras_layer.get_weights())` works both ways.
+    """
+    letters = string.ascii_lowercase
+    free = letters[:free_dims]
+    bound = letters[free_dims : free_dims + bound_dims]
+    out = letters[free_dims + bound_dims : free_dims + bound_dims + output_dims]
+    return f"{free}{bound},{bound}{out}->{free}{out}", out
+
+
+@keras.saving.register_keras_serializable(package="keras_mha")
+class MultiHeadAttention(keras.layers.Layer):
+    """Multi-head attention, a drop-in for `keras.layers.MultiHeadAttention`.
+
+    Projects `query`, `key` and `value` into heads, attends, concatenates the
+    heads and projects them back. Arguments, weights and results are those of
+    Keras's layer; where they differ it is on purpose (see the README):
+    rows with nothing to attend to give zeros on every path, half-precision
+    softmax never overflows, input masks survive the call.
+
+    Args:
+        num_heads: `N`, the number of query heads.
+        key_dim: `H`, the size of each query and key head.
+        value_dim: `V`, the size of each value head; `key_dim` if `None`.
+        dropout: dropout rate on the attention weights, in `[0, 1)`.
+        use_bias: whether the projections have biases.
+        output_shape: the output's trailing shape (int or tuple); the query's
+            feature size `E` if `None`.
+        attention_axes: axes of the input (not batch, not features) attended
+            over; all of them if `None`.
+        sliding_window: `None` or `w`: query position `p` sees keys `j` with
+            `|p - j| < w` (with `use_causal_mask`, the `w` keys up to and
+            including `p`).
+        flash_attention: passed to `keras.ops.dot_product_attention`:
+            `None` (auto), `True` (require) or `False` (never).
+        kernel_initializer, bias_initializer, kernel_regularizer,
+        bias_regularizer, activity_regularizer, kernel_constraint,
+        bias_constraint: as for `keras.layers.EinsumDense`.
+        use_gate: whether a sigmoid gate computed from the query multiplies
+            the heads before the output projection.
+        seed: seed of the dropout.
+        num_key_value_heads: `K`, the number of key/value heads (grouped-query
+            attention); must divide `num_heads`. `num_heads` if `None`.
+        **kwargs: base layer arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+        query: `(B, T, E)`, or `(B, ..., E)` with `attention_axes`.
+        value: `(B, S, E_v)`.
+        key: `(B, S, E_k)`; `value` if `None`.
+        query_mask: `(B, T)`, from the query's Keras mask if not given.
+        value_mask: `(B, S)`, from the value's Keras mask if not given.
+        key_mask: `(B, S)`, from the key's Keras mask if not given.
+        attention_mask: boolean or integer, `True`/1 = may attend, of shape
+            `(T, S)`, `(1, T, S)`, `(B, 1, S)`, `(B, T, S)` or `(B, N, T, S)`.
+        return_attention_scores: also return the attention weights.
+        training: whether dropout is applied.
+        use_causal_mask: key `j` is visible from query `t` only if `j <= t`.
+
+    Returns:
+        `output` of shape `(B, T, E)` (or `output_shape`), or
+        `(output, scores)` with scores `(B, N, T, S)` when
+        `return_attention_scores=True`.
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        key_dim,
+        value_dim=None,
+        dropout=0.0,
+        use_bias=True,
+        output_shape=None,
+        attention_axes=None,
+        sliding_window=None,
+        flash_attention=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        activity_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        use_gate=False,
+        seed=None,
+        num_key_value_heads=None,
+        **kwargs,
+    ):
+        _check_positive_int("num_heads", num_heads)
+        _check_positive_int("key_dim", key_dim)
+        _check_positive_int("value_dim", value_dim, allow_none=True)
+        _check_positive_int(
+            "num_key_value_heads", num_key_value_heads, allow_none=True
+        )
+        if num_key_value_heads is not None and num_heads % num_key_value_heads:
+            raise ValueError(
+                "`num_key_value_heads` must divide `num_heads`. Received: "
+                f"num_heads={num_heads}, "
+                f"num_key_value_heads={num_key_value_heads}"
+            )
+        if (
+            isinstance(dropout, bool)
+            or not isinstance(dropout, (int, float))
+            or not 0.0 <= dropout < 1.0
+        ):
+            raise ValueError(
+                "Argument `dropout` must be a number in [0, 1). "
+                f"Received: dropout={dropout!r}"
+            )
+        _check_positive_int("sliding_window", sliding_window, allow_none=True)
+        if flash_attention not in (None, True, False):
+            raise ValueError(
+                "Argument `flash_attention` must be `None`, `True` or `False`. "
+                f"Received: flash_attention={flash_attention!r}"
+            )
+        if flash_attention and dropout > 0.0:
+            raise ValueError(
+                "Dropout is not supported when flash attention is required. "
+                f"Received: flash_attention=True, dropout={dropout}"
+            )
+        super().__init__(**kwargs)
+        self.supports_masking = True
+        self._num_heads = num_heads
+        self._key_dim = key_dim
+        self._value_dim = value_dim or key_dim
+        self._num_key_value_heads = num_key_value_heads or num_heads
+        self._dropout = float(dropout)
+        self._use_bias = bool(use_bias)
+        self._use_gate = bool(use_gate)
+        self._output_shape = _normalize_output_shape(output_shape)
+        self._attention_axes = _normalize_attention_axes(attention_axes)
+        if (
+            sliding_window is not None
+            and self._attention_axes is not None
+            and len(self._attention_axes) > 1
+        ):
+            raise ValueError(
+                "`sliding_window` needs a single attention axis. Received: "
+                f"sliding_window={sliding_window}, "
+                f"attention_axes={attention_axes}"
+            )
+        self._sliding_window = sliding_window
+        self._flash_attention = flash_attention
+        self._kernel_initializer = keras.initializers.get(kernel_initializer)
+        self._bias_initializer = keras.initializers.get(bias_initializer)
+        self._kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self._bias_regularizer = keras.regularizers.get(bias_regularizer)
+        self._activity_regularizer = keras.regularizers.get(
+            activity_regularizer
+        )
+        self._kernel_constraint = keras.constraints.get(kernel_constraint)
+        self._bias_constraint = keras.constraints.get(bias_constraint)
+        self.seed = seed
+        self._scale = 1.0 / math.sqrt(float(key_dim))
+
+    # Properties as in Keras. `output_shape` is not one: it would clash with
+    # `Functional.summary()`.
+    @property
+    def num_heads(self):
+        return self._num_heads
+
+    @property
+    def num_key_value_heads(self):
+        return self._num_key_value_heads
+
+    @property
+    def key_dim(self):
+        return self._key_dim
+
+    @property
+    def value_dim(self):
+        return self._value_dim
+
+    @property
+    def dropout(self):
+        return self._dropout
+
+    @property
+    def use_bias(self):
+        return self._use_bias
+
+    @property
+    def attention_axes(self):
+        return self._attention_axes
+
+    @property
+    def sliding_window(self):
+        return self._sliding_window
+
+    @property
+    def flash_attention(self):
+        return self._flash_attention
+
+    @property
+    def query_dense(self):
+        return self._query_dense
+
+    @property
+    def key_dense(self):
+        return self._key_dense
+
+    @property
+    def value_dense(self):
+        return self._value_dense
+
+    @property
+    def output_dense(self):
+        return self._output_dense
+
+    def get_config(self):
+        config = {
+            "num_heads": self._num_heads,
+            "key_dim": self._key_dim,
+            "value_dim": self._value_dim,
+            "dropout": self._dropout,
+            "use_bias": self._use_bias,
+            "use_gate": self._use_gate,
+            "output_shape": self._output_shape,
+            "attention_axes": self._attention_axes,
+            "sliding_window": self._sliding_window,
+            "flash_attention": self._flash_attention,
+            "num_key_value_heads": self._num_key_value_heads,
+            "kernel_initializer": keras.initializers.serialize(
+                self._kernel_initializer
+            ),
+            "bias_initializer": keras.initializers.serialize(
+                self._bias_initializer
+            ),
+            "kernel_regularizer": keras.regularizers.serialize(
+                self._kernel_regularizer
+            ),
+            "bias_regularizer": keras.regularizers.serialize(
+                self._bias_regularizer
+            ),
+            "activity_regularizer": keras.regularizers.serialize(
+                self._activity_regularizer
+            ),
+            "kernel_constraint": keras.constraints.serialize(
+                self._kernel_constraint
+            ),
+            "bias_constraint": keras.constraints.serialize(
+                self._bias_constraint
+            ),
+            "seed": self.seed,
+        }
+        return {**super().get_config(), **config}
+
+    # ------------------------------------------------------------------ build
+
+    def build(self, query_shape, value_shape, key_shape=None):
+        key_shape = value_shape if key_shape is None else key_shape
+        query_shape, value_shape, key_shape = (
+            tuple(query_shape),
+            tuple(value_shape),
+            tuple(key_shape),
+        )
+        self._check_input_shapes(query_shape, value_shape, key_shape)
+        rank = len(query_shape)
+        self._layout = _AxesLayout(rank, self._attention_axes)
+        self._query_dense = self._projection(
+            rank, [self._num_heads, self._key_dim], "query"
+        )
+        self._query_dense.build(query_shape)
+        self._key_dense = self._projection(
+            rank, [self._num_key_value_heads, self._key_dim], "key"
+        )
+        self._key_dense.build(key_shape)
+        if self._use_gate:
+            self._gate_dense = self._projection(
+                rank,
+                [self._num_heads, self._value_dim],
+                "gate",
+                activation="sigmoid",
+            )
+            self._gate_dense.build(query_shape)
+        self._value_dense = self._projection(
+            rank, [self._num_key_value_heads, self._value_dim], "value"
+        )
+        self._value_dense.build(value_shape)
+        self._dropout_layer = keras.layers.Dropout(
+            rate=self._dropout, dtype=self.dtype_policy, seed=self.seed
+        )
+        output_shape = self._output_shape or (query_shape[-1],)
+        equation, bias_axes = _projection_equation(
+            rank - 1, 2, len(output_shape)
+        )
+        self._output_dense = keras.layers.EinsumDense(
+            equation,
+            output_shape=[None] * (rank - 2) + list(output_shape),
+            bias_axes=bias_axes if self._use_bias else None,
+            name="attention_output",
+            **self._sublayer_kwargs(),
+        )
+        self._output_dense.build(
+            query_shape[:-1] + (self._num_heads, self._value_dim)
+        )
+
+    def _projection(self, rank, heads_shape, name, activation=None):
+        equation, bias_axes = _projection_equation(rank - 1, 1, 2)
+        return keras.layers.EinsumDense(
+            equation,
+            output_shape=[None] * (rank - 2) + heads_shape,
+            bias_axes=bias_axes if self._use_bias else None,
+            activation=activation,
+            name=name,
+            **self._sublayer_kwargs(),
+        )
+
+    def _sublayer_kwargs(self):
+        # Fresh initializer instances: a shared stateless initializer would
+        # give every projection the same values.
+        def clone(initializer):
+            return initializer.__class__.from_config(initializer.get_config())
+
+        return dict(
+            kernel_initializer=clone(self._kernel_initializer),
+            bias_initializer=clone(self._bias_initializer),
+            kernel_regularizer=self._kernel_regularizer,
+            bias_regularizer=self._bias_regularizer,
+            activity_regularizer=self._activity_regularizer,
+            kernel_constraint=self._kernel_constraint,
+            bias_constraint=self._bias_constraint,
+            dtype=self.dtype_policy,
+        )
+
+    def _check_input_shapes(self, query_shape, value_shape, key_shape):
+        for name, shape in (
+            ("query", query_shape),
+            ("value", value_shape),
+            ("key", key_shape),
+        ):
+            if len(shape) < 3:
+                raise ValueError(
+                    f"`{name}` must have rank >= 3 (batch, sequence, "
+                    f"features). Received: {name}.shape={shape}"
+                )
+        if not len(query_shape) == len(value_shape) == len(key_shape):
+            raise ValueError(
+                "`query`, `value` and `key` must have the same rank. "
+                f"Received: query.shape={query_shape}, "
+                f"value.shape={value_shape}, key.shape={key_shape}"
+            )
+        if not _dims_agree(value_shape[:-1], key_shape[:-1]):
+            raise ValueError(
+                "All dimensions of `value` and `key`, except the last one, "
+                f"must be equal. Received: value.shape={value_shape} and "
+                f"key.shape={key_shape}"
+            )
+        for name, shape in (("query", query_shape), ("key", key_shape)):
+            if shape[-1] is None:
+                raise ValueError(
+                    f"The last dimension of `{name}` must be defined. "
+                    f"Received: {name}.shape={shape}"
+                )
+        if self._attention_axes is not None:
+            # Validates the axes too.
+            layout = _AxesLayout(len(query_shape), self._attention_axes)
+            batch_axes = layout.batch_axes
+            query_batch = tuple(query_shape[a] for a in [0, *batch_axes])
+            key_batch = tuple(key_shape[a] for a in [0, *batch_axes])
+            if not _dims_agree(query_batch, key_batch):
+                raise ValueError(
+                    "`query` and `key` must agree on the batch and "
+                    "non-attention axes. Received: "
+                    f"query.shape={query_shape}, key.shape={key_shape}, "
+                    f"attention_axes={self._attention_axes}"
+                )
+        elif not _dims_agree(query_shape[:1], key_shape[:1]):
+            raise ValueError(
+                "`query` and `key` must have the same batch size. Received: "
+                f"query.shape={query_shape}, key.shape={key_shape}"
+            )
+
+    # ------------------------------------------------------------------- call
+
+    def call(
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        return_attention_scores=False,
+        training=None,
+        use_causal_mask=False,
+    ):
+        if key is None:
+            key = value
+            key_mask = None  # the value's mask already covers the keys
+        self._check_input_shapes(
+            tuple(query.shape), tuple(value.shape), tuple(key.shape)
+        )
+        layout = self._layout
+        if use_causal_mask and layout.multi_axis:
+            raise ValueError(
+                "`use_causal_mask=True` needs a single attention axis. "
+                f"Received: attention_axes={self._attention_axes}"
+            )
+        if return_attention_scores and self._flash_attention:
+            raise ValueError(
+                "Attention scores cannot be returned when flash attention is "
+                "required. Received: flash_attention=True, "
+                "return_attention_scores=True"
+            )
+        dropout_active = bool(training) and self._dropout > 0.0
+        path = dispatch.choose_path(
+            return_attention_scores=return_attention_scores,
+            dropout_active=dropout_active,
+            key_dim=self._key_dim,
+            value_dim=self._value_dim,
+        )
+
+        gate = self._gate_dense(query) if self._use_gate else None
+        q = layout.to_sequence(self._query_dense(query))  # (B', T, N, H)
+        k = layout.to_sequence(self._key_dense(key))  # (B', S, K, H)
+        v = layout.to_sequence(self._value_dense(value))  # (B', S, K, V)
+
+        padding = masks_lib.padding_mask(
+            layout.token_mask(query_mask, "query_mask"),
+            masks_lib.combine_masks(
+                layout.token_mask(value_mask, "value_mask"),
+                layout.token_mask(key_mask, "key_mask"),
+            ),
+        )
+        explicit_mask = layout.attention_mask(
+            attention_mask, query, key, self._num_heads
+        )
+        # Causal alone goes to the backend's native causal kernel.
+        native_causal = (
+            path == dispatch.FUSED
+            and use_causal_mask
+            and self._sliding_window is None
+            and padding is None
+            and explicit_mask is None
+        )
+        mask = None
+        if not native_causal:
+            positional = masks_lib.causal_window_mask(
+                ops.shape(q)[1],
+                ops.shape(k)[1],
+                causal=use_causal_mask,
+                window=self._sliding_window,
+            )
+            mask = masks_lib.combine_masks(padding, explicit_mask, positional)
+
+        if path == dispatch.FUSED:
+            context = attention_lib.fused_attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                is_causal=native_causal,
+                scale=self._scale,
+                flash_attention=self._flash_attention,
+            )
+            scores = None
+        else:
+            dropout = None
+            if dropout_active:
+
+                def dropout(weights):
+                    return self._dropout_layer(weights, training=training)
+
+            context, scores = attention_lib.dense_attention(
+                q, k, v, mask=mask, scale=self._scale, dropout=dropout
+            )
+
+        context = layout.from_sequence(context, query)  # (B, ..., N, V)
+        if gate is not None:
+            context = ops.multiply(context, gate)
+        output = self._output_dense(context)
+        if query_mask is not None:
+            keras.backend.set_keras_mask(output, query_mask)
+        if return_attention_scores:
+            scores = layout.scores_from_sequence(scores, query, key)
+            return output, ops.cast(scores, self.compute_dtype)
+        return output
+
+    # ----------------------------------------------------------------- shapes
+
+    def compute_output_shape(self, query_shape, value_shape, key_shape=None):
+        key_shape = value_shape if key_shape is None else key_shape
+        query_shape = tuple(query_shape)
+        self._check_input_shapes(query_shape, tuple(value_shape), key_shape)
+        if self._output_shape:
+            return query_shape[:-1] + self._output_shape
+        return query_shape
+
+    def compute_output_spec(
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        return_attention_scores=False,
+        training=None,
+        use_causal_mask=False,
+    ):
+        key_shape = None if key is None else key.shape
+        output_spec = keras.KerasTensor(
+            self.compute_output_shape(query.shape, value.shape, key_shape),
+            dtype=self.compute_dtype,
+        )
+        if not return_attention_scores:
+            return output_spec
+        layout = _AxesLayout(len(query.shape), self._attention_axes)
+        scores_shape = layout.scores_shape(
+            tuple(query.shape), tuple(value.shape), self._num_heads
+        )
+        return output_spec, keras.KerasTensor(
+            scores_shape, dtype=self.compute_dtype
+        )
+
+
+def _normalize_output_shape(output_shape):
+    if output_shape is None:
+        return None
+    if isinstance(output_shape, int) and not isinstance(output_shape, bool):
+        output_shape = (output_shape,)
+    if not isinstance(output_shape, (tuple, list)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d > 0
+        for d in output_shape
+    ):
+        raise ValueError(
+            "Argument `output_shape` must be a positive integer or a tuple "
+            f"of positive integers. Received: output_shape={output_shape!r}"
+        )
+    return tuple(output_shape) or None
+
+
+def _normalize_attention_axes(attention_axes):
+    if attention_axes is None:
+        return None
+    if isinstance(attention_axes, int) and not isinstance(
+        attention_axes, bool
+    ):
+        attention_axes = (attention_axes,)
+    if (
+        not isinstance(attention_axes, (tuple, list))
+        or not attention_axes
+        or not all(
+            isinstance(a, int) and not isinstance(a, bool)
+            for a in attention_axes
+        )
+    ):
+        raise ValueError(
+            "Argument `attention_axes` must be an int or a non-empty tuple of "
+            f"ints. Received: attention_axes={attention_axes!r}"
+        )
+    return tuple(attention_axes)
+
+
+def _dims_agree(a, b):
+    """Equal, where both are known."""
+    return len(a) == len(b) and all(
+        x is None or y is None or x == y for x, y in zip(a, b)
+    )
+
+
+class _AxesLayout:
+    """Moves inputs with any `attention_axes` to the `(B', T, N, X)` form.
+
+    The attention paths see one batch axis and one sequence axis. Inputs of
+    rank 3 with the default axes are already in that form and pass through
+    untouched; otherwise non-attention axes are folded into the batch and
+    attention axes into the sequence, as Keras's einsum equations do.
+    """
+
+    def __init__(self, rank, attention_axes):
+        self.rank = rank
+        inner = tuple(range(1, rank - 1))  # the non-batch, non-feature axes
+        if attention_axes is None:
+            axes = inner
+        else:
+            # Negative axes count from the end of the input, as in Keras.
+            axes = tuple(a + rank if a < 0 else a for a in attention_axes)
+            bad = [a for a, n in zip(attention_axes, axes) if n not in inner]
+            if bad or len(set(axes)) != len(axes):
+                raise ValueError(
+                    "`attention_axes` must be distinct axes of the input "
+                    f"other than batch (0) and features ({rank - 1}). "
+                    f"Received: attention_axes={attention_axes} for inputs "
+                    f"of rank {rank}"
+                )
+        self.attention_axes = tuple(sorted(axes))
+        self.batch_axes = tuple(a for a in inner if a not in axes)
+        self.multi_axis = len(self.attention_axes) > 1
+        self.identity = rank == 3
+        # Projected tensors have rank `rank + 1`: (B, ..., N, X).
+        self.perm = (0, *self.batch_axes, *self.attention_axes, rank - 1, rank)
+        self.inverse_perm = tuple(
+            self.perm.index(i) for i in range(len(self.perm))
+        )
+
+    def _sizes(self, tensor, axes):
+        shape = ops.shape(tensor)
+        return [shape[a] for a in axes]
+
+    def to_sequence(self, x):
+        """`(B, ..., N, X)` -> `(B', T, N, X)`."""
+        if self.identity:
+            return x
+        x = ops.transpose(x, self.perm)
+        seq = math.prod(self._sizes(x, range(1 + len(self.batch_axes), self.rank - 1)))
+        return ops.reshape(x, (-1, seq, x.shape[-2], x.shape[-1]))
+
+    def from_sequence(self, x, query):
+        """`(B', T, N, X)` -> `(B, ..., N, X)` laid out like `query`."""
+        if self.identity:
+            return x
+        lead = self._sizes(query, (0, *self.batch_axes, *self.attention_axes))
+        x = ops.reshape(x, (*lead, x.shape[-2], x.shape[-1]))
+        return ops.transpose(x, self.inverse_perm)
+
+    def token_mask(self, mask, name):
+        """A Keras mask `(B, ...)` of the input -> `(B', T)`."""
+        if mask is None or self.identity:
+            return mask
+        mask = ops.transpose(mask, self.perm[:-2])
+        seq = math.prod(
+            self._sizes(mask, range(1 + len(self.batch_axes), self.rank - 1))
+        )
+        return ops.reshape(mask, (-1, seq))
+
+    def attention_mask(self, mask, query, key, num_heads):
+        """A user `attention_mask` -> boolean, broadcastable to `(B', N, T, S)`."""
+        if mask is None:
+            return None
+        mask = ops.convert_to_tensor(mask)
+        dtype = ops.dtype(mask)
+        if dtype != "bool" and "int" not in dtype:
+            raise TypeError(
+                "`attention_mask` must be boolean or integer (True/1 = may "
+                f"attend). Received: attention_mask.dtype={dtype}"
+            )
+        mask = ops.cast(mask, "bool")
+        if self.identity:
+            return _rank4_mask(mask, query, key, num_heads)
+        # Keras's multi-axis layout: (B, <batch axes>, <T axes>, <S axes>).
+        q_axes = self._sizes(query, (0, *self.batch_axes, *self.attention_axes))
+        s_axes = self._sizes(key, self.attention_axes)
+        full = (*q_axes, *s_axes)
+        if len(mask.shape) != len(full):
+            raise ValueError(
+                "`attention_mask` must have rank "
+                f"{len(full)} for these attention axes. Received: "
+                f"attention_mask.shape={tuple(mask.shape)}"
+            )
+        mask = ops.broadcast_to(mask, full)
+        seq_t = math.prod(q_axes[1 + len(self.batch_axes) :])
+        seq_s = math.prod(s_axes)
+        return ops.reshape(mask, (-1, 1, seq_t, seq_s))  # (B', 1, T, S)
+
+    def scores_from_sequence(self, scores, query, key):
+        """`(B', N, T, S)` -> Keras's `(B, <batch>, N, <T axes>, <S axes>)`."""
+        if self.identity:
+            return scores
+        lead = self._sizes(query, (0, *self.batch_axes))
+        t_axes = self._sizes(query, self.attention_axes)
+        s_axes = self._sizes(key, self.attention_axes)
+        return ops.reshape(
+            scores, (*lead, scores.shape[1], *t_axes, *s_axes)
+        )
+
+    def scores_shape(self, query_shape, key_shape, num_heads):
+        lead = tuple(query_shape[a] for a in (0, *self.batch_axes))
+        t_axes = tuple(query_shape[a] for a in self.attention_axes)
+        s_axes = tuple(key_shape[a] for a in self.attention_axes)
+        return (*lead, num_heads, *t_axes, *s_axes)
+
+
+def _rank4_mask(mask, query, key, num_heads):
+    """`attention_mask` of rank 2-4 -> `(B|1, N|1, T, S)`, checked."""
+    rank = len(mask.shape)
+    if rank == 2:
+        mask = mask[None, None]  # (1, 1, T, S)
+    elif rank == 3:
+        mask = mask[:, None]  # (B|1, 1, T|1, S)
+    elif rank != 4:
+        raise ValueError(
+            "`attention_mask` must have shape (T, S), (B, T, S) or "
+            "(B, N, T, S), or broadcast to one. Received: "
+            f"attention_mask.shape={tuple(mask.shape)}"
+        )
+    target = (query.shape[0], num_heads, query.shape[1], key.shape[1])
+    for got, want in zip(mask.shape, target):
+        if got is not None and want is not None and got not in (1, want):
+            raise ValueError(
+                "`attention_mask` does not broadcast to (B, N, T, S) = "
+                f"{target}. Received: attention_mask.shape="
+                f"{tuple(mask.shape)}"
+            )
+    return mask

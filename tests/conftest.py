@@ -1,0 +1,43 @@
+"""Test set-up shared by every backend.
+
+The backend comes from `KERAS_BACKEND` or `KERAS_HOME=configs/<backend>`;
+the same files run unchanged on each.
+"""
+
+import importlib.util
+
+# torch must be imported before tensorflow: the other order can crash.
+for _module in ("torch", "tensorflow"):
+    if importlib.util.find_spec(_module) is not None:
+        importlib.import_module(_module)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+BACKEND = keras.backend.backend()
+
+
+def pytest_report_header(config):
+    return f"keras {keras.__version__}, backend {BACKEND}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if BACKEND != "numpy":
+        return
+    skip = pytest.mark.skip(reason="the NumPy backend runs inference only")
+    for item in items:
+        if "training" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_session():
+    keras.utils.set_random_seed(1234)
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
