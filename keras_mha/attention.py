@@ -9,6 +9,7 @@ gets weights of exactly 0 and a context of 0. Inputs in float16/bfloat16 are
 computed in float32 and cast back, so large activations cannot overflow.
 """
 
+import keras
 from keras import ops
 
 from keras_mha import masks as masks_lib
@@ -112,6 +113,13 @@ def fused_attention(
     """
     out_dtype = query.dtype
     query, key, value = upcast(query, key, value)
+    groups = query.shape[2] // key.shape[2]
+    if groups > 1 and keras.backend.backend() != "jax":
+        # Only JAX's kernel takes grouped heads on every K: Keras's
+        # TensorFlow kernel fails for K == 1, its NumPy one for K > 1 (and
+        # its torch one repeats the heads itself).
+        key = ops.repeat(key, groups, axis=2)  # (B, S, N, H)
+        value = ops.repeat(value, groups, axis=2)  # (B, S, N, V)
     has_key = None
     if mask is not None:
         # The fused kernels answer rows with nothing to attend to with the

@@ -322,7 +322,7 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _projection(self, rank, heads_shape, name, activation=None):
         equation, bias_axes = _projection_equation(rank - 1, 1, 2)
-        return keras.layers.EinsumDense(
+        projection = keras.layers.EinsumDense(
             equation,
             output_shape=[None] * (rank - 2) + heads_shape,
             bias_axes=bias_axes if self._use_bias else None,
@@ -330,6 +330,10 @@ class MultiHeadAttention(keras.layers.Layer):
             name=name,
             **self._sublayer_kwargs(),
         )
+        # Per-token projections keep the inputs' Keras masks, which this
+        # layer leaves in place (Keras's layer deletes them instead).
+        projection.supports_masking = True
+        return projection
 
     def _sublayer_kwargs(self):
         # Fresh initializer instances: a shared stateless initializer would
@@ -495,9 +499,8 @@ class MultiHeadAttention(keras.layers.Layer):
         context = layout.from_sequence(context, query)  # (B, ..., N, V)
         if gate is not None:
             context = ops.multiply(context, gate)
+        # The output carries the query's Keras mask: `Layer.__call__` sets it.
         output = self._output_dense(context)
-        if query_mask is not None:
-            keras.backend.set_keras_mask(output, query_mask)
         if return_attention_scores:
             scores = layout.scores_from_sequence(scores, query, key)
             return output, ops.cast(scores, self.compute_dtype)

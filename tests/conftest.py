@@ -6,10 +6,10 @@ the same files run unchanged on each.
 
 import importlib.util
 
-# torch must be imported before tensorflow: the other order can crash.
-for _module in ("torch", "tensorflow"):
-    if importlib.util.find_spec(_module) is not None:
-        importlib.import_module(_module)
+# torch must be imported before tensorflow (the other order can crash), and
+# some tests import both; tensorflow itself is only imported when used.
+if importlib.util.find_spec("torch") is not None:
+    importlib.import_module("torch")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -19,10 +19,10 @@ def layer_weights(layer):
     if getattr(layer, "_use_gate", False):
         dense["gate"] = layer._gate_dense
     for name, sublayer in dense.items():
-        weights[name] = np.asarray(sublayer.kernel, dtype="float64")
+        weights[name] = np.asarray(sublayer.kernel.numpy(), dtype="float64")
         bias = getattr(sublayer, "bias", None)
         weights[name + "_bias"] = (
-            None if bias is None else np.asarray(bias, dtype="float64")
+            None if bias is None else np.asarray(bias.numpy(), dtype="float64")
         )
     return weights
 

@@ -1,0 +1,312 @@
+"""The `keras-mha` command line: `demo`, `info`, `compare`, `test`.
+
+This module parses arguments and turns every failure into one line on stderr
+and an exit code; the work of each subcommand lives in its own module
+(`demo.py`, `info.py`, `compare.py`, `testrun.py`), imported only when that
+subcommand runs.
+
+A Keras process has exactly one backend, fixed when Keras is imported, so
+everything that runs on a chosen backend runs in a child process with
+`KERAS_BACKEND` set (`run_child`).
+
+Exit codes: 0 success, 1 a check failed (compare, test), 2 usage errors
+(unknown or missing backend, bad path, missing optional dependency),
+130 interrupted.
+"""
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
+PROG = "keras-mha"
+BACKENDS = ("tensorflow", "jax", "torch", "numpy")
+
+# Distributions that provide each backend's module, for version look-ups
+# that do not import it.
+_DISTRIBUTIONS = {
+    "tensorflow": ("tensorflow", "tensorflow-cpu", "tensorflow-macos"),
+    "jax": ("jax",),
+    "torch": ("torch",),
+    "numpy": ("numpy",),
+}
+
+
+class CLIError(Exception):
+    """A failure reported as one line on stderr, with an exit code."""
+
+    def __init__(self, message, exit_code=2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ------------------------------------------------------------------ backends
+
+
+def backend_installed(name):
+    """Whether the backend's module can be imported (NumPy always can)."""
+    return name == "numpy" or importlib.util.find_spec(name) is not None
+
+
+def backend_version(name):
+    """The installed version of the backend, without importing it."""
+    for dist in _DISTRIBUTIONS[name]:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_backend(name):
+    """Raises `CLIError` unless `name` is a known, installed backend."""
+    if name not in BACKENDS:
+        raise CLIError(
+            f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}"
+        )
+    if not backend_installed(name):
+        raise CLIError(
+            f"backend {name!r} is not installed "
+            f'(pip install "keras-mha[{name}]")'
+        )
+
+
+def parse_backends(text):
+    """`"jax,torch"` -> `["jax", "torch"]`, each checked; `None` stays."""
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise CLIError(f"no backend named in --backends={text!r}")
+    for name in names:
+        if name not in BACKENDS:
+            raise CLIError(
+                f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}"
+            )
+    return list(dict.fromkeys(names))
+
+
+def backend_env(name, quiet_tensorflow=True):
+    """The environment of a child process that runs on backend `name`."""
+    env = dict(os.environ, KERAS_BACKEND=name)
+    if quiet_tensorflow:
+        # TensorFlow's C++ start-up messages would bury one-line outputs.
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    return env
+
+
+def run_child(backend, args):
+    """Runs `python -m keras_mha ARGS` on `backend`; returns its exit code.
+
+    The child inherits stdout and stderr, so its output is the user's.
+    """
+    check_backend(backend)
+    command = [sys.executable, "-m", "keras_mha", *args]
+    return subprocess.run(command, env=backend_env(backend)).returncode
+
+
+# -------------------------------------------------------------------- parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, not usage + error."""
+
+    def error(self, message):
+        raise CLIError(f"{message} (see {self.prog} --help)")
+
+
+def _add_backend_flag(parser, what):
+    parser.add_argument(
+        "--backend",
+        metavar="NAME",
+        help=f"run {what} in a child process with KERAS_BACKEND=NAME "
+        f"({', '.join(BACKENDS)})",
+    )
+
+
+def build_parser():
+    parser = _Parser(
+        prog=PROG,
+        description="Multi-head attention for Keras 3: demo, environment "
+        "info, cross-backend comparison and the test suite on every backend.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}"
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    demo = commands.add_parser(
+        "demo",
+        help="two heads attending to different tokens of 'банк у реки'",
+        description="The classic two-heads example: in 'банк у реки' (bank "
+        "by the river) one head of the layer attends from 'банк' to itself, "
+        "the other to 'реки'.",
+    )
+    _add_backend_flag(demo, "the demo")
+    demo.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw both heads' 3x3 attention maps (needs matplotlib)",
+    )
+
+    info = commands.add_parser(
+        "info",
+        help="versions, backends and the attention path a call takes",
+        description="Keras and backend versions, the active backend, and "
+        "which attention path (keras_mha.dispatch.choose_path) a call with "
+        "the given configuration takes.",
+    )
+    _add_backend_flag(info, "info")
+    config = info.add_argument_group("call configuration")
+    config.add_argument("--return-scores", action="store_true",
+                        help="return_attention_scores=True")
+    config.add_argument("--dropout-training", action="store_true",
+                        help="dropout > 0 and training=True")
+    config.add_argument("--causal", action="store_true",
+                        help="use_causal_mask=True")
+    config.add_argument("--key-dim", type=_positive_int,
+                        metavar="H", help="key_dim (default 64)")
+    config.add_argument("--value-dim", type=_positive_int, metavar="V",
+                        help="value_dim (default: key_dim)")
+    config.add_argument("--sliding-window", type=_positive_int, metavar="W",
+                        help="sliding_window")
+    config.add_argument("--query-length", type=_positive_int,
+                        metavar="T", help="query length (default 128)")
+    config.add_argument("--key-length", type=_positive_int, metavar="S",
+                        help="key/value length (default: query length)")
+
+    compare = commands.add_parser(
+        "compare",
+        help="our layer and Keras's against a float64 reference, per backend",
+        description="Runs a matrix of cases on each backend (each in its own "
+        "process) and reports the error of keras_mha.MultiHeadAttention and "
+        "of keras.layers.MultiHeadAttention against a float64 NumPy "
+        "reference. Exits 1 if any of our errors exceeds its tolerance.",
+    )
+    compare.add_argument("--backends", metavar="A,B",
+                         help="comma-separated (default: all installed)")
+    compare.add_argument("--json", metavar="FILE",
+                         help="write all results as JSON")
+    compare.add_argument("--matrix", metavar="FILE",
+                         help="cases (default: configs/compare.json)")
+    compare.add_argument("--worker", action="store_true",
+                         help=argparse.SUPPRESS)
+
+    test = commands.add_parser(
+        "test",
+        allow_abbrev=False,  # `--back` is someone's pytest flag, not ours
+        help="run tests/ on each backend",
+        description="Runs `pytest tests` of the current directory on each "
+        "backend in its own process (KERAS_BACKEND=<backend>, "
+        "KERAS_HOME=configs/<backend>). Other arguments, or everything after "
+        "`--`, go to pytest.",
+    )
+    test.add_argument("--backends", metavar="A,B",
+                      help="comma-separated (default: tensorflow,jax,torch,"
+                      "numpy)")
+    test.add_argument("-j", "--jobs", type=_positive_int, default=1,
+                      metavar="N", help="backends run at once (default 1)")
+    return parser
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {value}")
+    return value
+
+
+def _version():
+    try:
+        return importlib.metadata.version("keras-mha")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# ---------------------------------------------------------------------- main
+
+
+def _parse(argv):
+    """Parses `argv`; only `test` passes unknown arguments on (to pytest)."""
+    parser = build_parser()
+    passthrough = []
+    if argv and argv[0] == "test" and "--" in argv:
+        split = argv.index("--")
+        argv, passthrough = argv[:split], argv[split + 1 :]
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "test":
+        raise CLIError(
+            f"unrecognized arguments: {' '.join(unknown)} "
+            f"(see {PROG} {args.command or ''} --help)".replace("  ", " ")
+        )
+    args.pytest_args = unknown + passthrough
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        raise CLIError("no command given")
+    return args
+
+
+def _dispatch(args):
+    if args.command == "demo":
+        if args.backend is not None:
+            rerun = ["demo"] + ([] if args.plot is None else ["--plot", args.plot])
+            return run_child(args.backend, rerun)
+        from keras_mha import demo
+
+        return demo.run(plot=args.plot)
+    if args.command == "info":
+        from keras_mha import info
+
+        if args.backend is not None:
+            return run_child(args.backend, ["info", *info.config_args(args)])
+        return info.run(args)
+    if args.command == "compare":
+        from keras_mha import compare
+
+        if args.worker:
+            return compare.worker(args.matrix)
+        return compare.run(
+            backends=parse_backends(args.backends),
+            matrix=args.matrix,
+            json_path=args.json,
+        )
+    if args.command == "test":
+        from keras_mha import testrun
+
+        return testrun.run(
+            backends=parse_backends(args.backends),
+            jobs=args.jobs,
+            pytest_args=args.pytest_args,
+        )
+    raise CLIError(f"unknown command {args.command!r}")
+
+
+def main(argv=None):
+    """Entry point of `keras-mha` and `python -m keras_mha`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for stream in (sys.stdout, sys.stderr):
+        # Token names are Cyrillic; never crash on a narrow terminal encoding.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    try:
+        return _dispatch(_parse(argv)) or 0
+    except CLIError as error:
+        _print_error(error)
+        return error.exit_code
+    except KeyboardInterrupt:
+        _print_error("interrupted")
+        return 130
+    except Exception as error:  # the promise: one line, never a traceback
+        message = str(error).strip().splitlines()
+        detail = f": {message[0]}" if message else ""
+        _print_error(f"{type(error).__name__}{detail}")
+        return 1
+
+
+def _print_error(message):
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)

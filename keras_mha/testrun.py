@@ -1,0 +1,178 @@
+"""`keras-mha test`: the project's `tests/` on each backend, one process each.
+
+Each run is `python -m pytest tests -q -p no:cacheprovider ARGS` in the
+current folder with `KERAS_BACKEND=<backend>` and, where the folder exists,
+`KERAS_HOME=configs/<backend>`. With one job the output streams as it comes;
+with more, each backend's output is printed whole when it finishes. A
+summary line per backend closes the run; any failure (tests failing, no
+tests collected, backend not installed) makes the exit code 1.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+DEFAULT_BACKENDS = ("tensorflow", "jax", "torch", "numpy")
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# pytest's last line: "3 failed, 409 passed, 20 skipped in 61.02s (0:01:01)".
+_COUNTS = re.compile(
+    r"((\d+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed|"
+    r"warnings?|rerun))|no tests ran).* in [\d.]+s( \([\d:]+\))?$"
+)
+_NO_TESTS_COLLECTED = 5
+
+
+class _Run:
+    """One backend's pytest process and what it said."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.process = None
+        self.returncode = None
+        self.counts = None
+        self.lines = []
+        self.started = None
+        self.seconds = 0.0
+        self.problem = None  # set when pytest never ran
+
+    def read(self, stream_to=None):
+        """Reads the output to the end; echoes it to `stream_to` if given."""
+        for line in self.process.stdout:
+            if stream_to is not None:
+                stream_to.write(line)
+                stream_to.flush()
+            else:
+                self.lines.append(line)
+            plain = _ANSI.sub("", line).strip().strip("=").strip()
+            if _COUNTS.search(plain):
+                self.counts = plain
+        self.returncode = self.process.wait()
+
+    @property
+    def passed(self):
+        return self.problem is None and self.returncode == 0
+
+    def summary(self):
+        if self.problem is not None:
+            return f"{self.backend}: {self.problem} FAIL"
+        counts = self.counts or f"pytest exit code {self.returncode}"
+        if self.returncode == _NO_TESTS_COLLECTED:
+            counts += " (no tests collected)"
+        verdict = "PASS" if self.passed else "FAIL"
+        return f"{self.backend}: {counts} [{self.seconds:.0f}s wall] {verdict}"
+
+
+def _command(pytest_args, color):
+    command = [sys.executable, "-m", "pytest", "tests", "-q",
+               "-p", "no:cacheprovider"]
+    if color and not any(a.startswith("--color") for a in pytest_args):
+        command.append("--color=yes")
+    return command + list(pytest_args)
+
+
+def _env(backend, root):
+    from keras_mha.cli import backend_env
+
+    env = backend_env(backend, quiet_tensorflow=False)
+    env["PYTHONUNBUFFERED"] = "1"  # stream lines as pytest prints them
+    home = os.path.join(root, "configs", backend)
+    if os.path.isdir(home):
+        env["KERAS_HOME"] = home
+    return env
+
+
+def _start(run, pytest_args, root, color):
+    run.started = time.perf_counter()
+    run.process = subprocess.Popen(
+        _command(pytest_args, color),
+        cwd=root,
+        env=_env(run.backend, root),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+    )
+
+
+def _finish(run):
+    run.seconds = time.perf_counter() - run.started
+
+
+def run(backends=None, jobs=1, pytest_args=()):
+    """`keras-mha test`: returns the exit code."""
+    from keras_mha.cli import CLIError, backend_installed
+
+    root = os.getcwd()
+    if not os.path.isdir(os.path.join(root, "tests")):
+        raise CLIError(f"no tests/ folder in {root}; run this from the "
+                       "project's root")
+    if importlib.util.find_spec("pytest") is None:
+        raise CLIError('pytest is not installed (pip install "keras-mha[dev]")')
+    backends = list(backends or DEFAULT_BACKENDS)
+    runs = [_Run(backend) for backend in backends]
+    runnable = []
+    for each in runs:
+        if backend_installed(each.backend):
+            runnable.append(each)
+        else:
+            each.problem = (f"not installed (pip install "
+                            f'"keras-mha[{each.backend}]")')
+    color = sys.stdout.isatty()
+    try:
+        if jobs <= 1:
+            for each in runnable:
+                _banner(each.backend)
+                _start(each, pytest_args, root, color)
+                each.read(stream_to=sys.stdout)
+                _finish(each)
+        else:
+            _run_parallel(runnable, jobs, pytest_args, root, color)
+    finally:
+        for each in runnable:
+            if each.process is not None and each.process.poll() is None:
+                each.process.kill()
+                each.process.wait()
+
+    print()
+    for each in runs:
+        print(each.summary())
+    sys.stdout.flush()
+    return 0 if all(each.passed for each in runs) else 1
+
+
+def _run_parallel(runs, jobs, pytest_args, root, color):
+    """Runs up to `jobs` backends at once; prints each one's output whole."""
+    pending = list(runs)
+    printing = threading.Lock()
+    slots = threading.Semaphore(jobs)
+
+    def work(each):
+        try:
+            each.read()
+            _finish(each)
+            with printing:
+                _banner(each.backend)
+                sys.stdout.writelines(each.lines)
+                sys.stdout.flush()
+        finally:
+            slots.release()
+
+    threads = []
+    for each in pending:
+        slots.acquire()
+        _start(each, pytest_args, root, color)
+        thread = threading.Thread(target=work, args=(each,), daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+
+
+def _banner(backend):
+    print(f"===== {backend} =====", flush=True)

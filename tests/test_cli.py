@@ -1,0 +1,346 @@
+"""The `keras-mha` command line, on the backend the suite runs on.
+
+Each subcommand runs once as `python -m keras_mha ...` in a child process
+(a few seconds each: the child imports Keras and the backend); error paths
+that need no backend call `main()` in this process.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import BACKEND
+
+from keras_mha import cli
+from keras_mha import compare
+from keras_mha import demo
+from keras_mha import dispatch
+from keras_mha import info
+from keras_mha import testrun
+
+TOKENS = ("банк", "у", "реки")
+
+# TensorFlow logs these from C++ at import, before any setting applies.
+_TENSORFLOW_LOG = re.compile(
+    r"^(WARNING: All log messages before absl|[IWEF]\d{4} |"
+    r"To enable the following instructions)"
+)
+
+
+def run_cli(*args, cwd=None, timeout=300):
+    env = dict(os.environ, KERAS_BACKEND=BACKEND, PYTHONIOENCODING="utf-8")
+    return subprocess.run(
+        [sys.executable, "-m", "keras_mha", *args],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def error_lines(stderr):
+    """stderr without TensorFlow's start-up log."""
+    return [
+        line
+        for line in stderr.splitlines()
+        if line.strip() and not _TENSORFLOW_LOG.match(line)
+    ]
+
+
+def assert_one_error_line(stderr):
+    lines = error_lines(stderr)
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("keras-mha: error: ")
+    assert "Traceback" not in stderr
+
+
+# ---------------------------------------------------------------------- demo
+
+
+def expected_demo_weights():
+    """softmax(q . k / sqrt(2)) for "банк", from the numbers of the story."""
+    heads = [
+        ([3, 0], [[3, 0], [0, 1], [0, 1]]),
+        ([0, 3], [[0, 0], [0, 1], [0, 3]]),
+    ]
+    weights = []
+    for query, keys in heads:
+        logits = np.asarray(keys, "float64") @ np.asarray(query, "float64")
+        logits /= math.sqrt(2.0)
+        e = np.exp(logits - logits.max())
+        weights.append(e / e.sum())
+    return np.stack(weights)  # (N, S)
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """One `demo` child; with `--plot` when matplotlib is installed."""
+    plot = None
+    args = ["demo"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        plot = tmp_path_factory.mktemp("demo") / "attention.png"
+        args += ["--plot", str(plot)]
+    return run_cli(*args), plot
+
+
+def test_demo_prints_the_layers_weights(demo_run):
+    result, _ = demo_run
+    assert result.returncode == 0, result.stderr
+    rows = {}
+    for line in result.stdout.splitlines():
+        match = re.fullmatch(r"head (\d): (.*)", line)
+        if match:
+            cells = dict(c.split("=") for c in match.group(2).split(", "))
+            assert tuple(cells) == TOKENS
+            rows[int(match.group(1))] = [float(cells[t]) for t in TOKENS]
+    assert sorted(rows) == [1, 2]
+    printed = np.array([rows[1], rows[2]])
+    np.testing.assert_allclose(printed, expected_demo_weights(), atol=0.0051)
+    assert printed.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.01, 0.98]]
+    last = result.stdout.strip().splitlines()[-1 if demo_run[1] is None else -2]
+    assert "Different heads attend to different tokens" in last
+    assert f"backend {BACKEND}" in last
+
+
+def test_demo_weights_come_from_the_layer():
+    weights = demo.attention_weights()  # (N, T, S), on this backend
+    np.testing.assert_allclose(
+        weights[:, 0, :], expected_demo_weights(), atol=1e-6
+    )
+    np.testing.assert_allclose(weights.sum(axis=-1), 1.0, atol=1e-6)
+
+
+def test_demo_plot_is_a_png(demo_run):
+    pytest.importorskip("matplotlib")
+    result, plot = demo_run
+    assert result.returncode == 0, result.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("command", ["demo", "info"])
+def test_unknown_backend_is_one_line(command, capsys):
+    assert cli.main([command, "--backend", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("keras-mha: error: unknown backend 'nope'")
+
+
+def test_demo_missing_backend(monkeypatch, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "torch" else find_spec(name, *a),
+    )
+    assert cli.main(["demo", "--backend", "torch"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "'torch' is not installed" in err
+
+
+def test_demo_unwritable_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "missing" / "attention.png"
+    assert cli.main(["demo", "--plot", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith("keras-mha: error: cannot write plot")
+    assert captured.out == ""
+
+
+def test_demo_plot_without_matplotlib(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not importable
+    assert cli.main(["demo", "--plot", str(tmp_path / "a.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert 'pip install "keras-mha[plot]"' in err
+
+
+# ---------------------------------------------------------------------- info
+
+
+def test_info_child():
+    result = run_cli("info", "--return-scores")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert re.search(rf"^active backend: {BACKEND} ", out, re.M)
+    for backend in cli.BACKENDS:
+        assert re.search(rf"^{backend} ", out, re.M)
+    assert re.search(r"^path: explicit$", out, re.M)
+
+
+@pytest.mark.parametrize(
+    "flags, kwargs",
+    [
+        ([], {}),
+        (["--return-scores"], {"return_attention_scores": True}),
+        (["--dropout-training"], {"dropout_active": True}),
+        (["--key-dim", "8", "--value-dim", "16"], {"key_dim": 8,
+                                                    "value_dim": 16}),
+        (["--causal", "--sliding-window", "4", "--query-length", "4096"], {}),
+    ],
+    ids=["default", "scores", "dropout", "value_dim", "window"],
+)
+def test_info_path_is_dispatchs(flags, kwargs, capsys):
+    assert cli.main(["info", *flags]) == 0
+    out = capsys.readouterr().out
+    configuration, _ = info.call_configuration(
+        cli.build_parser().parse_args(["info", *flags])
+    )
+    expected, _ = info.path_for(dispatch.choose_path, configuration)
+    assert f"\npath: {expected}\n" in out
+    if not kwargs:
+        return
+    full = dict(return_attention_scores=False, dropout_active=False,
+                key_dim=64, value_dim=64)
+    full.update(kwargs)
+    if "key_dim" in kwargs and "value_dim" not in kwargs:
+        full["value_dim"] = kwargs["key_dim"]
+    assert expected == dispatch.choose_path(**full)
+
+
+def test_path_for_passes_only_accepted_keywords():
+    seen = {}
+
+    def choose_path(*, key_dim, sliding_window=None, query_length=None):
+        seen.update(key_dim=key_dim, sliding_window=sliding_window,
+                    query_length=query_length)
+        return "banded" if sliding_window else "fused"
+
+    configuration = dict(return_scores=True, dropout_training=False,
+                         causal=True, key_dim=8, value_dim=8,
+                         sliding_window=4, query_length=512, key_length=512)
+    path, ignored = info.path_for(choose_path, configuration)
+    assert path == "banded"
+    assert seen == dict(key_dim=8, sliding_window=4, query_length=512)
+    assert set(ignored) == {"return_scores", "dropout_training", "causal",
+                            "value_dim", "key_length"}
+
+    def needs_more(*, key_dim, cache):
+        return "cached"
+
+    with pytest.raises(cli.CLIError, match="cache"):
+        info.path_for(needs_more, configuration)
+
+
+# ------------------------------------------------------------------- compare
+
+TINY_MATRIX = {
+    "defaults": {"batch": 2, "query_length": 4, "features": 4,
+                 "layer": {"num_heads": 2, "key_dim": 2}},
+    "cases": [
+        {"name": "causal, left padding", "causal": True,
+         "query_padding": {"left": [0, 2]},
+         "keras_note": "rows with nothing to attend to"},
+        {"name": "cross, window", "cross": True, "key_length": 6,
+         "key_features": 3, "layer": {"sliding_window": 2}},
+    ],
+}
+
+
+def test_compare_child(tmp_path):
+    matrix = tmp_path / "matrix.json"
+    matrix.write_text(json.dumps(TINY_MATRIX))
+    out = tmp_path / "results.json"
+    result = run_cli("compare", "--backends", BACKEND, "--matrix",
+                     str(matrix), "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "causal, left padding" in result.stdout
+    results = json.loads(out.read_text())
+    assert results["failed"] is False
+    cases = results["backends"][BACKEND]["cases"]
+    assert sorted(cases) == sorted(c["name"] for c in TINY_MATRIX["cases"])
+    for case in cases.values():
+        assert float(case["ours"]["error"]) <= 1e-5
+        assert set(case["ours"]["calls"]) == {
+            "output", "output_with_scores", "scores"}
+
+
+def test_compare_rejects_a_bad_matrix(tmp_path, capsys):
+    matrix = tmp_path / "matrix.json"
+    matrix.write_text(json.dumps({"cases": [{"name": "x", "wat": 1}]}))
+    assert cli.main(["compare", "--backends", BACKEND,
+                     "--matrix", str(matrix)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown field(s) wat" in err
+
+
+def test_compare_reference_matches_the_tests_reference():
+    from reference import reference_attention
+
+    rng = np.random.default_rng(0)
+    batch, t_len, s_len, features, heads, kv_heads, size = 2, 4, 5, 3, 4, 2, 3
+    named = {}
+    flat = {}
+    shapes = {"query": (features, heads, size), "key": (features, kv_heads,
+              size), "value": (features, kv_heads, size), "gate":
+              (features, heads, size), "attention_output": (heads, size,
+                                                            features)}
+    for name, shape in shapes.items():
+        kernel, bias = rng.normal(size=shape), rng.normal(size=shape[-1:])
+        if name != "attention_output":
+            bias = rng.normal(size=shape[1:])
+        named[name] = {"kernel": kernel, "bias": bias}
+        flat_name = "output" if name == "attention_output" else name
+        flat[flat_name], flat[flat_name + "_bias"] = kernel, bias
+    query = rng.normal(size=(batch, t_len, features))
+    value = rng.normal(size=(batch, s_len, features))
+    query_mask = np.array([[1, 1, 1, 1], [0, 0, 1, 1]], bool)
+    value_mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)
+    case = {**compare.CASE_DEFAULTS, "cross": True, "causal": True,
+            "layer": {"sliding_window": 2}}
+    inputs = {"query": query, "value": value, "query_mask": query_mask,
+              "value_mask": value_mask, "attention_mask": None}
+    allowed = compare.allowed_mask(case, inputs)
+    assert not allowed.any(axis=-1).all()  # some rows are empty
+    ours = compare.reference_attention(named, query, value, value, allowed)
+    theirs = reference_attention(
+        flat, query, value, query_mask=query_mask, value_mask=value_mask,
+        use_causal_mask=True, sliding_window=2,
+    )
+    np.testing.assert_allclose(ours[0], theirs[0], atol=1e-12)
+    np.testing.assert_allclose(ours[1], theirs[1], atol=1e-12)
+
+
+# ---------------------------------------------------------------------- test
+
+
+def test_test_without_tests_folder(tmp_path):
+    result = run_cli("test", "--backends", BACKEND, cwd=tmp_path)
+    assert result.returncode == 2
+    assert_one_error_line(result.stderr)
+    assert "no tests/ folder" in result.stderr
+
+
+def test_test_missing_backend_fails(tmp_path, monkeypatch, capsys):
+    (tmp_path / "tests").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "backend_installed", lambda name: False)
+    assert cli.main(["test", "--backends", "torch"]) == 1
+    out = capsys.readouterr().out
+    assert "torch: not installed" in out and out.rstrip().endswith("FAIL")
+
+
+def test_test_parses_pytest_counts():
+    run = testrun._Run("jax")
+    lines = ["..s.\n", "=== short test summary info ===\n",
+             "\x1b[32m3 passed\x1b[0m, 1 skipped in 61.02s (0:01:01)\n"]
+
+    class Process:
+        stdout = iter(lines)
+
+        def wait(self):
+            return 0
+
+    run.process = Process()
+    run.read()
+    assert run.counts == "3 passed, 1 skipped in 61.02s (0:01:01)"
+    assert run.passed
