@@ -1,7 +1,8 @@
 """keras-mha: multi-head attention for Keras 3 on every backend."""
 
+from keras_mha.layer import GroupedQueryAttention
 from keras_mha.layer import MultiHeadAttention
 
 __version__ = "0.1.0"
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["GroupedQueryAttention", "MultiHeadAttention"]

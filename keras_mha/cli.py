@@ -93,7 +93,7 @@ def backend_env(name, quiet_tensorflow=True):
     env = dict(os.environ, KERAS_BACKEND=name)
     if quiet_tensorflow:
         # TensorFlow's C++ start-up messages would bury one-line outputs.
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
 
 
@@ -246,16 +246,16 @@ def _parse(argv):
         )
     args.pytest_args = unknown + passthrough
     if args.command is None:
-        parser.print_help(sys.stderr)
-        raise CLIError("no command given")
+        raise CLIError(f"no command given; choose from demo, info, compare, "
+                       f"test (see {PROG} --help)")
     return args
 
 
 def _dispatch(args):
     if args.command == "demo":
         if args.backend is not None:
-            rerun = ["demo"] + ([] if args.plot is None else ["--plot", args.plot])
-            return run_child(args.backend, rerun)
+            plot = [] if args.plot is None else ["--plot", args.plot]
+            return run_child(args.backend, ["demo", *plot])
         from keras_mha import demo
 
         return demo.run(plot=args.plot)

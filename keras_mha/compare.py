@@ -15,6 +15,7 @@ Error = max|y - ref| / max(1, max|ref|) over the outputs and the weights of
 both calls. Tolerance: 1e-5 in float32, 1e-2 under a `mixed_*` policy.
 """
 
+import inspect
 import json
 import math
 import os
@@ -122,7 +123,12 @@ def load_matrix(path):
         matrix.get("cases"), list
     ):
         raise CLIError(f'matrix {path} needs a "cases" list')
-    defaults = {**CASE_DEFAULTS, **matrix.get("defaults", {})}
+    given_defaults = matrix.get("defaults", {})
+    unknown = sorted(set(given_defaults) - set(CASE_DEFAULTS))
+    if unknown:
+        raise CLIError(f"matrix {path}, defaults: unknown field(s) "
+                       f"{', '.join(unknown)}")
+    defaults = {**CASE_DEFAULTS, **given_defaults}
     cases, names = [], set()
     for number, given in enumerate(matrix["cases"], start=1):
         where = f"matrix {path}, case {number}"
@@ -136,6 +142,18 @@ def load_matrix(path):
         if not case["name"] or case["name"] in names:
             raise CLIError(f"{where}: needs a unique name")
         names.add(case["name"])
+        for field in ("query_padding", "value_padding"):
+            spec = case[field]
+            if spec is not None and not (
+                isinstance(spec, dict)
+                and len(spec) == 1
+                and set(spec) <= {"left", "right"}
+                and len(next(iter(spec.values()))) == case["batch"]
+            ):
+                raise CLIError(
+                    f'{where}: {field} must look like {{"left": [0, 3]}}, '
+                    "one count per batch element"
+                )
         if not case["cross"] and any(
             case[field] is not None
             for field in ("key_length", "value_features", "key_features",
@@ -155,9 +173,9 @@ def tolerance(case):
 
 def _padding_mask(spec, batch, length):
     """`{"left": [0, 3]}` -> `(B, L)` boolean, True for real tokens."""
-    mask = np.ones((batch, length), dtype=bool)
     if spec is None:
         return None
+    mask = np.ones((batch, length), dtype=bool)
     (side, counts), = spec.items()
     for b, count in enumerate(counts):
         if side == "left":
@@ -181,10 +199,11 @@ def make_inputs(case, rng):
     if case["cross"]:
         inputs["value"] = normal(s_len, case["value_features"]
                                  or case["features"])
-        if case["key_features"] is not None:
-            rows = 1 if case["constant_key"] else s_len
-            key = normal(rows, case["key_features"])
-            inputs["key"] = np.repeat(key, s_len // rows, axis=1)
+        if case["constant_key"]:
+            key = normal(1, case["key_features"])
+            inputs["key"] = np.repeat(key, s_len, axis=1)
+        elif case["key_features"] is not None:
+            inputs["key"] = normal(s_len, case["key_features"])
     inputs["query_mask"] = _padding_mask(case["query_padding"], batch, t_len)
     inputs["value_mask"] = _padding_mask(case["value_padding"], batch, s_len)
     # Padded tokens are zero vectors, so `keras.layers.Masking` finds them.
@@ -288,19 +307,24 @@ def _measure(layer, case, inputs, expected, expected_probs):
         errors["output_with_scores"] = _error(output, expected)
         errors["scores"] = _error(probs, expected_probs)
     except Exception as error:
-        message = str(error).strip().splitlines()
-        return {
-            "error": math.inf,
-            "calls": errors,
-            "exception": type(error).__name__,
-            "message": message[0][:200] if message else "",
-        }
-    return {"error": max(errors.values()), "calls": errors}
+        return {**_raised(error), "calls": errors}
+    values = list(errors.values())
+    # `max` is order-dependent with NaN; any NaN makes the whole case NaN.
+    worst = math.nan if any(map(math.isnan, values)) else max(values)
+    return {"error": worst, "calls": errors}
+
+
+def _raised(error):
+    """An outcome for a layer that raised: infinitely wrong, and why."""
+    message = str(error).strip().splitlines()
+    return {
+        "error": math.inf,
+        "exception": type(error).__name__,
+        "message": message[0][:200] if message else "",
+    }
 
 
 def _unaccepted(layer_class, kwargs):
-    import inspect
-
     parameters = inspect.signature(layer_class.__init__).parameters
     return sorted(name for name in kwargs
                   if name != "dtype" and name not in parameters)
@@ -333,8 +357,7 @@ def run_case(case):
         arrays, weights = _random_weights(ours, rng)
         ours.set_weights(arrays)
     except Exception as error:
-        result["ours"] = {"error": math.inf, "exception": type(error).__name__,
-                          "message": str(error).strip()[:200]}
+        result["ours"] = _raised(error)
         return result
 
     query = inputs["query"].astype("float64")
@@ -357,11 +380,7 @@ def run_case(case):
             theirs.build(*shapes)
             theirs.set_weights(ours.get_weights())
         except Exception as error:
-            theirs = error
-        if isinstance(theirs, Exception):
-            result["keras"] = {"error": math.inf,
-                               "exception": type(theirs).__name__,
-                               "message": str(theirs).strip()[:200]}
+            result["keras"] = _raised(error)
         else:
             result["keras"] = _measure(
                 theirs, case, inputs, expected, expected_probs
@@ -391,7 +410,7 @@ def worker(matrix_path):
 
     from keras_mha.cli import backend_version
 
-    cases = load_matrix(matrix_path)
+    cases = load_matrix(matrix_path or default_matrix())
     backend = keras.backend.backend()
     _emit({"backend": backend, "version": backend_version(backend),
            "keras": keras.__version__, "cases": len(cases)})
@@ -439,15 +458,18 @@ def _collect(backend, matrix_path, progress, task):
     try:
         for line in process.stdout:
             line = line.strip()
-            if not line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
                 continue  # something else printed to stdout
-            record = json.loads(line)
+            if not isinstance(record, dict):
+                continue
             if "case" in record:
                 results["cases"][record["case"]] = record
                 progress.advance(task)
             else:
-                results.update(version=record["version"],
-                               keras=record["keras"])
+                results.update(version=record.get("version"),
+                               keras=record.get("keras"))
         process.wait()
     finally:
         if process.poll() is None:
@@ -456,8 +478,11 @@ def _collect(backend, matrix_path, progress, task):
     if process.returncode != 0:
         stderr.seek(0)
         lines = [l.strip() for l in stderr.read().splitlines() if l.strip()]
-        last = lines[-1] if lines else f"exit code {process.returncode}"
-        results["failure"] = f"worker exited with code {process.returncode}: {last}"
+        ours = [l for l in lines if l.startswith("keras-mha: error:")]
+        last = (ours or lines or ["no output"])[-1]
+        results["failure"] = (
+            f"worker exited with code {process.returncode}: {last}"
+        )
     stderr.close()
     return results
 
@@ -512,9 +537,12 @@ def run(backends=None, matrix=None, json_path=None):
             "failed": failed,
             "backends": all_results,
         }
-        with open(json_path, "w", encoding="utf-8") as file:
-            json.dump(_strings_for_nonfinite(document), file, indent=2,
-                      ensure_ascii=False)
+        try:
+            with open(json_path, "w", encoding="utf-8") as file:
+                json.dump(_strings_for_nonfinite(document), file, indent=2,
+                          ensure_ascii=False)
+        except OSError as error:
+            raise CLIError(f"cannot write {json_path}: {error.strerror}")
     return 1 if failed else 0
 
 
@@ -559,12 +587,14 @@ def report(cases, backends, all_results):
     console = Console(highlight=False)
     if not console.is_terminal:
         console.width = max(console.width, 160)
-    table = Table(
-        title="max error vs float64 reference: max|y - ref| / max(1, max|ref|)"
-        f"; tolerance {FLOAT32_TOLERANCE:g} float32, {MIXED_TOLERANCE:g} "
-        "mixed",
-        title_justify="left",
+    console.print(
+        "Error vs the float64 reference, max|y - ref| / max(1, max|ref|), "
+        f"of keras_mha (and of Keras where it differs); tolerance "
+        f"{FLOAT32_TOLERANCE:g} in float32, {MIXED_TOLERANCE:g} in mixed "
+        "precision.",
+        soft_wrap=True,
     )
+    table = Table()
     table.add_column("case")
     for backend in backends:
         version = all_results[backend].get("version")

@@ -7,6 +7,7 @@ import keras
 from keras import ops
 
 from keras_mha import attention as attention_lib
+from keras_mha import cache as cache_lib
 from keras_mha import dispatch
 from keras_mha import masks as masks_lib
 
@@ -414,6 +415,8 @@ class MultiHeadAttention(keras.layers.Layer):
         return_attention_scores=False,
         training=None,
         use_causal_mask=False,
+        cache=None,
+        cache_update_index=None,
     ):
         if key is None:
             key = value
@@ -433,6 +436,11 @@ class MultiHeadAttention(keras.layers.Layer):
                 "required. Received: flash_attention=True, "
                 "return_attention_scores=True"
             )
+        if cache is not None or cache_update_index is not None:
+            self._check_cache_call(
+                query, cache, cache_update_index, use_causal_mask,
+                attention_mask,
+            )
         dropout_active = bool(training) and self._dropout > 0.0
         path = dispatch.choose_path(
             return_attention_scores=return_attention_scores,
@@ -445,35 +453,60 @@ class MultiHeadAttention(keras.layers.Layer):
         q = layout.to_sequence(self._query_dense(query))  # (B', T, N, H)
         k = layout.to_sequence(self._key_dense(key))  # (B', S, K, H)
         v = layout.to_sequence(self._value_dense(value))  # (B', S, K, V)
+        query_tokens = layout.token_mask(query_mask)  # (B', T)
+        key_tokens = masks_lib.combine_masks(
+            layout.token_mask(value_mask), layout.token_mask(key_mask)
+        )  # (B', S)
 
-        padding = masks_lib.padding_mask(
-            layout.token_mask(query_mask, "query_mask"),
-            masks_lib.combine_masks(
-                layout.token_mask(value_mask, "value_mask"),
-                layout.token_mask(key_mask, "key_mask"),
-            ),
-        )
-        explicit_mask = layout.attention_mask(
-            attention_mask, query, key, self._num_heads
-        )
-        # Causal alone goes to the backend's native causal kernel.
-        native_causal = (
-            path == dispatch.FUSED
-            and use_causal_mask
-            and self._sliding_window is None
-            and padding is None
-            and explicit_mask is None
-        )
-        mask = None
-        if not native_causal:
-            positional = masks_lib.causal_window_mask(
-                ops.shape(q)[1],
-                ops.shape(k)[1],
-                causal=use_causal_mask,
-                window=self._sliding_window,
+        new_cache = None
+        if cache is not None:
+            context, scores, new_cache = self._attend_with_cache(
+                path, q, k, v, query_tokens, key_tokens, cache,
+                cache_update_index, training,
             )
-            mask = masks_lib.combine_masks(padding, explicit_mask, positional)
+        else:
+            explicit_mask = layout.attention_mask(
+                attention_mask, query, key, self._num_heads
+            )
+            padding = masks_lib.padding_mask(query_tokens, key_tokens)
+            # Causal alone goes to the backend's native causal kernel.
+            native_causal = (
+                path == dispatch.FUSED
+                and use_causal_mask
+                and self._sliding_window is None
+                and padding is None
+                and explicit_mask is None
+            )
+            mask = None
+            if not native_causal:
+                positional = masks_lib.causal_window_mask(
+                    ops.shape(q)[1],
+                    ops.shape(k)[1],
+                    causal=use_causal_mask,
+                    window=self._sliding_window,
+                )
+                mask = masks_lib.combine_masks(
+                    padding, explicit_mask, positional
+                )
+            context, scores = self._attend(
+                path, q, k, v, mask, native_causal, training
+            )
 
+        context = layout.from_sequence(context, query)  # (B, ..., N, V)
+        if gate is not None:
+            context = ops.multiply(context, gate)
+        # The output carries the query's Keras mask: `Layer.__call__` sets it.
+        output = self._output_dense(context)
+        results = [output]
+        if return_attention_scores:
+            scores = layout.scores_from_sequence(scores, query, key)
+            results.append(ops.cast(scores, self.compute_dtype))
+        if new_cache is not None:
+            results.append(new_cache)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def _attend(self, path, q, k, v, mask, native_causal, training):
+        """Runs the fused or explicit path: `(context, scores or None)`."""
         if path == dispatch.FUSED:
             context = attention_lib.fused_attention(
                 q,
@@ -484,27 +517,157 @@ class MultiHeadAttention(keras.layers.Layer):
                 scale=self._scale,
                 flash_attention=self._flash_attention,
             )
-            scores = None
-        else:
-            dropout = None
-            if dropout_active:
+            return context, None
+        dropout = None
+        if bool(training) and self._dropout > 0.0:
 
-                def dropout(weights):
-                    return self._dropout_layer(weights, training=training)
+            def dropout(weights):
+                return self._dropout_layer(weights, training=training)
 
-            context, scores = attention_lib.dense_attention(
-                q, k, v, mask=mask, scale=self._scale, dropout=dropout
+        return attention_lib.dense_attention(
+            q, k, v, mask=mask, scale=self._scale, dropout=dropout
+        )
+
+    # ------------------------------------------------------------------ cache
+
+    @property
+    def rolling_cache(self):
+        """Whether the cache is a rolling buffer of `sliding_window` slots."""
+        return self._sliding_window is not None
+
+    def init_cache(self, batch_size, max_length):
+        """A zero key/value cache for decoding up to `max_length` tokens.
+
+        Args:
+            batch_size: `B`.
+            max_length: the longest sequence to decode. With a
+                `sliding_window` the cache is a rolling buffer of `w` slots
+                whatever `max_length` is.
+
+        Returns:
+            A tensor `(B, L, K, H + V + 1)` in the layer's compute dtype:
+            keys, values and a per-slot "real token" flag (see
+            `keras_mha.cache`). `L` is `max_length`, or `w` when rolling.
+        """
+        _check_positive_int("batch_size", batch_size)
+        _check_positive_int("max_length", max_length)
+        slots = self._sliding_window if self.rolling_cache else max_length
+        return ops.zeros(
+            cache_lib.cache_shape(
+                batch_size,
+                slots,
+                self._num_key_value_heads,
+                self._key_dim,
+                self._value_dim,
+            ),
+            dtype=self.compute_dtype,
+        )
+
+    def _check_cache_call(
+        self, query, cache, index, use_causal_mask, attention_mask
+    ):
+        if cache is None or index is None:
+            raise ValueError(
+                "`cache` and `cache_update_index` go together. Received: "
+                f"cache={'None' if cache is None else 'a tensor'}, "
+                f"cache_update_index={index!r}"
             )
+        if not use_causal_mask:
+            raise ValueError(
+                "Decoding with a cache needs `use_causal_mask=True`. "
+                f"Received: use_causal_mask={use_causal_mask}"
+            )
+        if not self._layout.identity:
+            raise ValueError(
+                "A cache needs inputs of rank 3 (batch, sequence, features). "
+                f"Received: query.shape={tuple(query.shape)}"
+            )
+        if attention_mask is not None:
+            raise ValueError(
+                "`attention_mask` is not supported with a cache; pass "
+                "`query_mask`/`value_mask` (the cache remembers padding). "
+                "Received: attention_mask with shape "
+                f"{tuple(attention_mask.shape)}"
+            )
+        expected = cache_lib.cache_shape(
+            query.shape[0],
+            self._sliding_window if self.rolling_cache else cache.shape[1],
+            self._num_key_value_heads,
+            self._key_dim,
+            self._value_dim,
+        )
+        if len(cache.shape) != 4 or not _dims_agree(
+            tuple(cache.shape), expected
+        ):
+            raise ValueError(
+                "`cache` must have shape (B, L, K, H + V + 1) = "
+                f"{expected} (see `init_cache`). Received: "
+                f"cache.shape={tuple(cache.shape)}"
+            )
+        if isinstance(index, bool) or (
+            not isinstance(index, int) and len(getattr(index, "shape", ())) != 0
+        ):
+            raise ValueError(
+                "`cache_update_index` must be an integer or a scalar integer "
+                f"tensor. Received: cache_update_index={index!r}"
+            )
+        if isinstance(index, int):
+            length = query.shape[1]
+            if index < 0 or (
+                not self.rolling_cache
+                and length is not None
+                and index + length > cache.shape[1]
+            ):
+                raise ValueError(
+                    "`cache_update_index` is out of range: positions "
+                    f"{index}..{index + (length or 1) - 1} do not fit a "
+                    f"cache of {cache.shape[1]} slots. Received: "
+                    f"cache_update_index={index}"
+                )
 
-        context = layout.from_sequence(context, query)  # (B, ..., N, V)
-        if gate is not None:
-            context = ops.multiply(context, gate)
-        # The output carries the query's Keras mask: `Layer.__call__` sets it.
-        output = self._output_dense(context)
-        if return_attention_scores:
-            scores = layout.scores_from_sequence(scores, query, key)
-            return output, ops.cast(scores, self.compute_dtype)
-        return output
+    def _attend_with_cache(
+        self, path, q, k, v, query_tokens, key_tokens, cache, index, training
+    ):
+        """Attends to the cached tokens and the new ones; writes the new.
+
+        Keys are the cache's slots as they were before this call followed by
+        the new tokens, so a rolling cache can take a prompt longer than its
+        window in one call. Returns `(context, scores, new_cache)`, scores
+        `(B, N, T, L + T)` over that same key order.
+        """
+        rolling = self.rolling_cache
+        num_slots = cache.shape[1]
+        length = ops.shape(q)[1]
+        index = ops.cast(index, "int32")
+        old_k, old_v, old_valid = cache_lib.split(
+            cache, self._key_dim, self._value_dim
+        )
+        old_positions = cache_lib.slot_positions(index, num_slots, rolling)
+        old_valid = ops.logical_and(old_valid, old_positions[None] >= 0)
+        new_positions = index + ops.arange(length, dtype="int32")
+        new_valid = key_tokens
+        if new_valid is None:
+            new_valid = ops.ones(ops.shape(k)[:2], dtype="bool")
+        keys_valid = ops.concatenate(
+            [old_valid, ops.cast(new_valid, "bool")], axis=1
+        )  # (B, L + T)
+        key_positions = ops.concatenate([old_positions, new_positions])
+        positional = masks_lib.position_mask(
+            ops.reshape(new_positions, (1, 1, -1, 1)),  # (1, 1, T, 1)
+            ops.reshape(key_positions, (1, 1, 1, -1)),  # (1, 1, 1, L + T)
+            causal=True,
+            window=self._sliding_window,
+        )
+        mask = masks_lib.combine_masks(
+            masks_lib.padding_mask(query_tokens, keys_valid), positional
+        )
+        keys = ops.concatenate([ops.cast(old_k, k.dtype), k], axis=1)
+        values = ops.concatenate([ops.cast(old_v, v.dtype), v], axis=1)
+        context, scores = self._attend(
+            path, q, keys, values, mask, False, training
+        )
+        new_cache = cache_lib.write(cache, k, v, new_valid, index, rolling)
+        return context, scores, new_cache
 
     # ----------------------------------------------------------------- shapes
 
@@ -528,21 +691,33 @@ class MultiHeadAttention(keras.layers.Layer):
         return_attention_scores=False,
         training=None,
         use_causal_mask=False,
+        cache=None,
+        cache_update_index=None,
     ):
         key_shape = None if key is None else key.shape
-        output_spec = keras.KerasTensor(
-            self.compute_output_shape(query.shape, value.shape, key_shape),
-            dtype=self.compute_dtype,
-        )
-        if not return_attention_scores:
-            return output_spec
-        layout = _AxesLayout(len(query.shape), self._attention_axes)
-        scores_shape = layout.scores_shape(
-            tuple(query.shape), tuple(value.shape), self._num_heads
-        )
-        return output_spec, keras.KerasTensor(
-            scores_shape, dtype=self.compute_dtype
-        )
+        specs = [
+            keras.KerasTensor(
+                self.compute_output_shape(query.shape, value.shape, key_shape),
+                dtype=self.compute_dtype,
+            )
+        ]
+        if return_attention_scores:
+            layout = _AxesLayout(len(query.shape), self._attention_axes)
+            scores_shape = layout.scores_shape(
+                tuple(query.shape), tuple(value.shape), self._num_heads
+            )
+            if cache is not None:  # keys: the old slots, then the new tokens
+                scores_shape = scores_shape[:-1] + (
+                    None
+                    if query.shape[1] is None
+                    else cache.shape[1] + query.shape[1],
+                )
+            specs.append(
+                keras.KerasTensor(scores_shape, dtype=self.compute_dtype)
+            )
+        if cache is not None:
+            specs.append(keras.KerasTensor(cache.shape, dtype=cache.dtype))
+        return specs[0] if len(specs) == 1 else tuple(specs)
 
 
 def _normalize_output_shape(output_shape):
@@ -645,7 +820,7 @@ class _AxesLayout:
         x = ops.reshape(x, (*lead, x.shape[-2], x.shape[-1]))
         return ops.transpose(x, self.inverse_perm)
 
-    def token_mask(self, mask, name):
+    def token_mask(self, mask):
         """A Keras mask `(B, ...)` of the input -> `(B', T)`."""
         if mask is None or self.identity:
             return mask
@@ -724,3 +899,82 @@ def _rank4_mask(mask, query, key, num_heads):
                 f"{tuple(mask.shape)}"
             )
     return mask
+
+
+@keras.saving.register_keras_serializable(package="keras_mha")
+class GroupedQueryAttention(MultiHeadAttention):
+    """Grouped-query attention, a drop-in for `keras.layers.GroupQueryAttention`.
+
+    `MultiHeadAttention` with `num_key_value_heads` under the constructor and
+    config of Keras's layer; weights copy both ways.
+
+    Args:
+        head_dim: `H = V`, the size of each head.
+        num_query_heads: `N`.
+        num_key_value_heads: `K`; must divide `num_query_heads`.
+        dropout, use_bias, sliding_window, flash_attention,
+        kernel_initializer, bias_initializer, kernel_regularizer,
+        bias_regularizer, activity_regularizer, kernel_constraint,
+        bias_constraint, use_gate, seed: as for `MultiHeadAttention`.
+
+    Call arguments, returns: as for `MultiHeadAttention`, rank-3 inputs.
+    """
+
+    def __init__(
+        self,
+        head_dim,
+        num_query_heads,
+        num_key_value_heads,
+        dropout=0.0,
+        use_bias=True,
+        sliding_window=None,
+        flash_attention=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        activity_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        use_gate=False,
+        seed=None,
+        **kwargs,
+    ):
+        _check_positive_int("head_dim", head_dim)
+        _check_positive_int("num_query_heads", num_query_heads)
+        _check_positive_int("num_key_value_heads", num_key_value_heads)
+        super().__init__(
+            num_heads=num_query_heads,
+            key_dim=head_dim,
+            num_key_value_heads=num_key_value_heads,
+            dropout=dropout,
+            use_bias=use_bias,
+            sliding_window=sliding_window,
+            flash_attention=flash_attention,
+            kernel_initializer=kernel_initializer,
+            bias_initializer=bias_initializer,
+            kernel_regularizer=kernel_regularizer,
+            bias_regularizer=bias_regularizer,
+            activity_regularizer=activity_regularizer,
+            kernel_constraint=kernel_constraint,
+            bias_constraint=bias_constraint,
+            use_gate=use_gate,
+            seed=seed,
+            **kwargs,
+        )
+
+    @property
+    def head_dim(self):
+        return self._key_dim
+
+    @property
+    def num_query_heads(self):
+        return self._num_heads
+
+    def get_config(self):
+        config = super().get_config()
+        for name in ("num_heads", "key_dim", "value_dim", "output_shape",
+                     "attention_axes"):
+            config.pop(name)
+        config.update(head_dim=self._key_dim, num_query_heads=self._num_heads)
+        return config

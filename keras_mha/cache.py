@@ -1,0 +1,76 @@
+"""The key/value cache for decoding, as pure functions of plain tensors.
+
+Layout: one tensor `(B, L, K, H + V + 1)` holding, for each of `L` slots,
+the key `[..., :H]`, the value `[..., H:H+V]` and a flag `[..., -1]` that is
+1 where a real (unpadded) token was written. Keeping padding in the cache
+means a left-padded prompt stays masked for every later decoding step.
+
+Positions: a full cache stores position `p` in slot `p`. A rolling cache
+(causal sliding window `w`) has `L = w` slots and stores position `p` in
+slot `p mod w`, so it never grows. Which position a slot holds is derived
+from the write index alone; nothing else is stored.
+"""
+
+from keras import ops
+
+
+def cache_shape(batch_size, num_slots, num_kv_heads, key_dim, value_dim):
+    return (batch_size, num_slots, num_kv_heads, key_dim + value_dim + 1)
+
+
+def slot_positions(index, num_slots, rolling):
+    """Positions held by each slot before writing at `index`: `(L,)`.
+
+    A slot that holds no written position gets a negative position (a full
+    cache's slots at or after `index` are stale or empty as well).
+    """
+    slots = ops.arange(num_slots, dtype="int32")
+    index = ops.cast(index, "int32")
+    if not rolling:
+        return ops.where(slots < index, slots, -1)
+    # The newest position p < index with p = slot (mod L); negative if none.
+    return index - 1 - ops.mod(index - 1 - slots, num_slots)
+
+
+def split(cache, key_dim, value_dim):
+    """`(key, value, valid)`: `(B, L, K, H)`, `(B, L, K, V)`, `(B, L)` bool."""
+    key = cache[..., :key_dim]
+    value = cache[..., key_dim : key_dim + value_dim]
+    valid = ops.greater(cache[:, :, 0, -1], 0.5)
+    return key, value, valid
+
+
+def write(cache, key, value, valid, index, rolling):
+    """Writes `T` new tokens at positions `index .. index+T-1`.
+
+    Args:
+        cache: `(B, L, K, H + V + 1)`.
+        key: `(B, T, K, H)`.
+        value: `(B, T, K, V)`.
+        valid: `(B, T)` boolean, or `None` (all valid).
+        index: absolute position of the first new token (int or tensor).
+        rolling: whether slot = position mod L.
+
+    Returns:
+        The updated cache. With a rolling cache and `T > L`, only the last
+        `L` tokens are kept.
+    """
+    num_slots, length = cache.shape[1], key.shape[1]
+    if valid is None:
+        valid = ops.ones(ops.shape(key)[:2], dtype="bool")
+    flag = ops.cast(valid, cache.dtype)[:, :, None, None]  # (B, T, 1, 1)
+    flag = ops.broadcast_to(flag, ops.shape(key)[:3] + (1,))
+    new = ops.concatenate(
+        [ops.cast(key, cache.dtype), ops.cast(value, cache.dtype), flag],
+        axis=-1,
+    )  # (B, T, K, H + V + 1)
+    slots = ops.arange(num_slots, dtype="int32")
+    index = ops.cast(index, "int32")
+    if rolling:
+        # The newest new token landing in each slot (negative: none).
+        source = length - 1 - ops.mod(index + length - 1 - slots, num_slots)
+    else:
+        source = slots - index
+    written = ops.logical_and(source >= 0, source < length)  # (L,)
+    gathered = ops.take(new, ops.clip(source, 0, length - 1), axis=1)
+    return ops.where(written[None, :, None, None], gathered, cache)

@@ -1,0 +1,262 @@
+"""Grouped heads and decoding with a KV cache (full and rolling)."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+from reference import layer_weights
+from reference import reference_attention
+from util import assert_close
+from util import make_layer
+from util import random_inputs
+from util import to_numpy
+
+import keras_mha
+
+
+def _decode(layers, x, prompt_length, prompt_mask=None, chunk=1):
+    """Prefills `x[:, :prompt_length]`, then feeds the rest `chunk` at a time
+    through a stack of layers with residual connections, each with a cache.
+    Returns the outputs of the last layer for every position."""
+    batch, length, _ = x.shape
+    caches = [layer.init_cache(batch, length) for layer in layers]
+    outputs = []
+    start = 0
+    while start < length:
+        stop = prompt_length if start == 0 else min(start + chunk, length)
+        h = x[:, start:stop]
+        mask = None if prompt_mask is None or start else prompt_mask
+        for i, layer in enumerate(layers):
+            out, caches[i] = layer(
+                h, h, query_mask=mask, value_mask=mask, use_causal_mask=True,
+                cache=caches[i], cache_update_index=start,
+            )
+            h = keras.ops.add(h, out)
+        outputs.append(to_numpy(h))
+        start = stop
+    return np.concatenate(outputs, axis=1), caches
+
+
+def _full(layers, x, mask=None):
+    h = x
+    for layer in layers:
+        h = keras.ops.add(h, layer(h, h, query_mask=mask, value_mask=mask,
+                      use_causal_mask=True))
+    return to_numpy(h)
+
+
+def _stack(x, window, num_kv_heads, count=2):
+    return [
+        make_layer(x, x, seed=i, num_heads=4, key_dim=4,
+                   num_key_value_heads=num_kv_heads, sliding_window=window)
+        for i in range(count)
+    ]
+
+
+class TestGroupedHeads:
+    @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+    @pytest.mark.parametrize("window", [None, 2])
+    @pytest.mark.parametrize("scores", [False, True])
+    def test_against_reference(self, rng, num_kv_heads, window, scores):
+        query, value = random_inputs(rng, query_length=5, key_length=6)
+        layer = make_layer(query, value, num_heads=4, key_dim=3,
+                           num_key_value_heads=num_kv_heads,
+                           sliding_window=window)
+        assert layer.key_dense.kernel.shape == (8, num_kv_heads, 3)
+        result = layer(query, value, use_causal_mask=True,
+                       return_attention_scores=scores)
+        expected, probs = reference_attention(
+            layer_weights(layer), query, value, use_causal_mask=True,
+            sliding_window=window,
+        )
+        if scores:
+            assert_close(result[1], probs)
+            result = result[0]
+        assert_close(result, expected)
+
+    @pytest.mark.parametrize("num_kv_heads", [2, 1])
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_same_as_keras_group_query_attention(self, rng, num_kv_heads,
+                                                 causal):
+        query, value = random_inputs(rng, query_length=5, key_length=5)
+        theirs = keras.layers.GroupQueryAttention(
+            head_dim=3, num_query_heads=4, num_key_value_heads=num_kv_heads,
+            use_gate=True, bias_initializer="random_normal",
+        )
+        ours = keras_mha.GroupedQueryAttention(
+            head_dim=3, num_query_heads=4, num_key_value_heads=num_kv_heads,
+            use_gate=True,
+        )
+        theirs(query, value)
+        ours(query, value)
+        ours.set_weights(theirs.get_weights())
+        for scores in (False, True):
+            a = ours(query, value, use_causal_mask=causal,
+                     return_attention_scores=scores)
+            b = theirs(query, value, use_causal_mask=causal,
+                       return_attention_scores=scores)
+            if scores:
+                assert_close(a[1], to_numpy(b[1]).astype("float64"))
+                a, b = a[0], b[0]
+            assert_close(a, to_numpy(b).astype("float64"))
+
+    def test_config(self):
+        layer = keras_mha.GroupedQueryAttention(
+            head_dim=8, num_query_heads=6, num_key_value_heads=2,
+            sliding_window=4,
+        )
+        config = layer.get_config()
+        assert config["head_dim"] == 8 and config["num_query_heads"] == 6
+        assert "num_heads" not in config
+        clone = keras_mha.GroupedQueryAttention.from_config(config)
+        assert clone.get_config() == config
+        assert keras.saving.get_registered_name(
+            keras_mha.GroupedQueryAttention
+        ) == "keras_mha>GroupedQueryAttention"
+
+    def test_heads_must_divide(self):
+        with pytest.raises(ValueError, match="num_key_value_heads=4"):
+            keras_mha.GroupedQueryAttention(
+                head_dim=2, num_query_heads=6, num_key_value_heads=4
+            )
+
+
+class TestDecoding:
+    @pytest.mark.parametrize("window", [None, 3])
+    @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+    def test_prefill_then_token_by_token(self, rng, window, num_kv_heads):
+        x = rng.normal(size=(2, 9, 8)).astype("float32")
+        layers = _stack(x, window, num_kv_heads)
+        decoded, caches = _decode(layers, x, prompt_length=5)
+        np.testing.assert_allclose(decoded, _full(layers, x), atol=1e-5, rtol=1e-5)
+        slots = window or 9
+        assert tuple(caches[0].shape) == (2, slots, num_kv_heads, 9)
+
+    @pytest.mark.parametrize("window", [None, 2])
+    def test_chunks(self, rng, window):
+        x = rng.normal(size=(1, 10, 8)).astype("float32")
+        layers = _stack(x, window, 2)
+        decoded, _ = _decode(layers, x, prompt_length=3, chunk=4)
+        np.testing.assert_allclose(decoded, _full(layers, x), atol=1e-5, rtol=1e-5)
+
+    @pytest.mark.parametrize("window", [None, 3])
+    def test_left_padded_prompts(self, rng, window):
+        x = rng.normal(size=(3, 8, 8)).astype("float32")
+        prompt_mask = np.ones((3, 4), bool)
+        prompt_mask[1, :2] = False  # two pads before a prompt of two
+        prompt_mask[2, :1] = False
+        full_mask = np.concatenate([prompt_mask, np.ones((3, 4), bool)], 1)
+        layers = _stack(x, window, 2)
+        decoded, _ = _decode(layers, x, prompt_length=4,
+                             prompt_mask=prompt_mask)
+        expected = _full(layers, x, mask=full_mask)
+        np.testing.assert_allclose(decoded, expected, atol=1e-5, rtol=1e-5)
+
+    def test_rolling_cache_does_not_grow(self):
+        layer = keras_mha.MultiHeadAttention(
+            num_heads=4, key_dim=8, value_dim=6, num_key_value_heads=2,
+            sliding_window=16,
+        )
+        for max_length in (8, 1024, 65536):
+            assert tuple(layer.init_cache(3, max_length).shape) == (
+                3, 16, 2, 15
+            )
+        full = keras_mha.MultiHeadAttention(num_heads=4, key_dim=8)
+        assert tuple(full.init_cache(1, 100).shape) == (1, 100, 4, 17)
+
+    def test_scores_cover_old_slots_then_new_tokens(self, rng):
+        x = rng.normal(size=(1, 4, 8)).astype("float32")
+        layer = make_layer(x, x, num_heads=2, key_dim=4, sliding_window=3)
+        cache = layer.init_cache(1, 4)
+        _, cache = layer(x[:, :3], x[:, :3], use_causal_mask=True,
+                         cache=cache, cache_update_index=0)
+        _, scores, _ = layer(x[:, 3:], x[:, 3:], use_causal_mask=True,
+                             cache=cache, cache_update_index=3,
+                             return_attention_scores=True)
+        scores = to_numpy(scores)
+        assert scores.shape == (1, 2, 1, 4)
+        # Position 3 sees positions 1, 2 (slots 1, 2) and itself; slot 0
+        # holds position 0, outside the window.
+        np.testing.assert_array_equal(scores[..., 0], 0.0)
+        np.testing.assert_allclose(scores.sum(-1), 1.0, atol=1e-6)
+
+    def test_compiled_step_with_tensor_index(self, rng):
+        """A decode step with a tensor index, compiled where the backend can
+        (jax.jit, tf.function with XLA); eager on torch and NumPy."""
+        x = rng.normal(size=(2, 6, 8)).astype("float32")
+        layer = make_layer(x, x, num_heads=2, key_dim=4, sliding_window=4)
+
+        def step(token, cache, index):
+            return layer(token, token, use_causal_mask=True, cache=cache,
+                         cache_update_index=index)
+
+        if BACKEND == "jax":
+            import jax
+
+            step = jax.jit(step)
+        elif BACKEND == "tensorflow":
+            import tensorflow as tf
+
+            step = tf.function(step, jit_compile=True)
+        cache = layer.init_cache(2, 6)
+        outputs = []
+        for i in range(6):
+            index = keras.ops.convert_to_tensor(i, dtype="int32")
+            out, cache = step(x[:, i : i + 1], cache, index)
+            outputs.append(to_numpy(out))
+        np.testing.assert_allclose(
+            np.concatenate(outputs, 1),
+            to_numpy(layer(x, x, use_causal_mask=True)),
+            atol=1e-5,
+        )
+
+
+class TestCacheErrors:
+    def _layer(self, rng, **kwargs):
+        x = rng.normal(size=(2, 3, 8)).astype("float32")
+        return x, make_layer(x, x, num_heads=2, key_dim=4, **kwargs)
+
+    def test_needs_causal(self, rng):
+        x, layer = self._layer(rng)
+        with pytest.raises(ValueError, match="use_causal_mask"):
+            layer(x, x, cache=layer.init_cache(2, 8), cache_update_index=0)
+
+    def test_needs_both_arguments(self, rng):
+        x, layer = self._layer(rng)
+        with pytest.raises(ValueError, match="cache_update_index=None"):
+            layer(x, x, use_causal_mask=True, cache=layer.init_cache(2, 8))
+        with pytest.raises(ValueError, match="cache=None"):
+            layer(x, x, use_causal_mask=True, cache_update_index=0)
+
+    @pytest.mark.parametrize("shape", [(2, 8, 2, 8), (2, 8, 3, 9), (3, 8, 2, 9),
+                                       (2, 8, 9)])
+    def test_wrong_shape(self, rng, shape):
+        x, layer = self._layer(rng)
+        with pytest.raises(ValueError, match="cache.shape"):
+            layer(x, x, use_causal_mask=True, cache=np.zeros(shape, "float32"),
+                  cache_update_index=0)
+
+    def test_rolling_cache_must_have_window_slots(self, rng):
+        x, layer = self._layer(rng, sliding_window=4)
+        with pytest.raises(ValueError, match="cache.shape"):
+            layer(x, x, use_causal_mask=True,
+                  cache=np.zeros((2, 8, 2, 9), "float32"), cache_update_index=0)
+
+    @pytest.mark.parametrize("index", [-1, 6])
+    def test_index_out_of_range(self, rng, index):
+        x, layer = self._layer(rng)
+        with pytest.raises(ValueError, match="cache_update_index"):
+            layer(x, x, use_causal_mask=True, cache=layer.init_cache(2, 8),
+                  cache_update_index=index)
+
+    def test_attention_mask_is_rejected(self, rng):
+        x, layer = self._layer(rng)
+        with pytest.raises(ValueError, match="attention_mask"):
+            layer(x, x, use_causal_mask=True, cache=layer.init_cache(2, 8),
+                  cache_update_index=0, attention_mask=np.ones((3, 3), bool))
+
+    @pytest.mark.parametrize("args", [(0, 8), (2, 0), (2.0, 8)])
+    def test_init_cache_arguments(self, rng, args):
+        _, layer = self._layer(rng)
+        with pytest.raises(ValueError, match="Received"):
+            layer.init_cache(*args)
