@@ -1,19 +1,34 @@
 """Which attention algorithm runs: the one rule, in one place.
 
-The paths compute the same function (see `attention.py`); this module only
-decides which is cheapest given what the call asks for.
+The paths compute the same function (see `attention.py` and `banded.py`);
+this module only decides which is cheapest for what the call asks for.
 
 1. `explicit` when the weights are needed: `return_attention_scores=True`
    or dropout in training. Also when `H != V` on JAX, whose fused kernel
    requires equal head sizes.
-2. `fused` (`keras.ops.dot_product_attention`) otherwise.
+2. `banded` when a `sliding_window` is set, no dense `attention_mask` is
+   given, and the keys are long compared with the window:
+   `S >= BANDED_MIN_RATIO * w` (and `S >= BANDED_MIN_LENGTH`). Below that
+   the band covers most of the `T x S` matrix and the fused kernel wins.
+3. `fused` (`keras.ops.dot_product_attention`) otherwise.
+
+A cache (decoding) runs the fused or explicit path over the cached slots.
 """
+
+import contextlib
+import contextvars
 
 import keras
 
 FUSED = "fused"
 EXPLICIT = "explicit"
-PATHS = (FUSED, EXPLICIT)
+BANDED = "banded"
+PATHS = (FUSED, EXPLICIT, BANDED)
+
+# Measured on a 2-core CPU (see the README's benchmark): the banded path
+# wins once the keys span a few windows.
+BANDED_MIN_RATIO = 4
+BANDED_MIN_LENGTH = 256
 
 
 def fused_supported(key_dim, value_dim, backend=None):
@@ -22,12 +37,47 @@ def fused_supported(key_dim, value_dim, backend=None):
     return key_dim == value_dim or backend != "jax"
 
 
+_forced = contextvars.ContextVar("keras_mha_forced_path", default=None)
+
+
+@contextlib.contextmanager
+def force_path(path):
+    """Runs every call in the block on `path` where that path can serve it.
+
+    For tests and benchmarks that compare the paths on the same inputs. A
+    path that cannot serve a call (fused with scores, banded without a
+    window or with a dense mask) still falls back to the rule.
+    """
+    if path not in PATHS:
+        raise ValueError(f"`path` must be one of {PATHS}. Received: path={path!r}")
+    token = _forced.set(path)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def banded_pays_off(sliding_window, query_length, key_length):
+    """Whether the band is small enough against `S` to compute it alone."""
+    return (
+        sliding_window is not None
+        and query_length is not None
+        and key_length is not None
+        and key_length >= BANDED_MIN_LENGTH
+        and key_length >= BANDED_MIN_RATIO * sliding_window
+    )
+
+
 def choose_path(
     *,
     return_attention_scores,
     dropout_active,
     key_dim,
     value_dim,
+    sliding_window=None,
+    query_length=None,
+    key_length=None,
+    has_attention_mask=False,
     backend=None,
 ):
     """Returns the name of the attention path for one call.
@@ -37,10 +87,32 @@ def choose_path(
         dropout_active: whether dropout is applied to the weights.
         key_dim: `H`.
         value_dim: `V`.
+        sliding_window: `w` or `None`.
+        query_length: `T`, if known statically.
+        key_length: `S`, if known statically.
+        has_attention_mask: whether a dense `attention_mask` is given.
         backend: backend name; the active one by default.
     """
-    if return_attention_scores or dropout_active:
+    needs_weights = return_attention_scores or dropout_active
+    banded_possible = (
+        not needs_weights
+        and not has_attention_mask
+        and sliding_window is not None
+        and query_length is not None
+        and key_length is not None
+    )
+    fused_possible = not needs_weights and fused_supported(
+        key_dim, value_dim, backend
+    )
+    forced = _forced.get()
+    if forced == EXPLICIT or (forced == BANDED and banded_possible):
+        return forced
+    if forced == FUSED and fused_possible:
+        return FUSED
+    if needs_weights:
         return EXPLICIT
-    if not fused_supported(key_dim, value_dim, backend):
-        return EXPLICIT
-    return FUSED
+    if banded_possible and banded_pays_off(
+        sliding_window, query_length, key_length
+    ):
+        return BANDED
+    return FUSED if fused_possible else EXPLICIT

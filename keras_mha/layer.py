@@ -7,6 +7,7 @@ import keras
 from keras import ops
 
 from keras_mha import attention as attention_lib
+from keras_mha import banded as banded_lib
 from keras_mha import cache as cache_lib
 from keras_mha import dispatch
 from keras_mha import masks as masks_lib
@@ -441,12 +442,15 @@ class MultiHeadAttention(keras.layers.Layer):
                 query, cache, cache_update_index, use_causal_mask,
                 attention_mask,
             )
-        dropout_active = bool(training) and self._dropout > 0.0
         path = dispatch.choose_path(
             return_attention_scores=return_attention_scores,
-            dropout_active=dropout_active,
+            dropout_active=bool(training) and self._dropout > 0.0,
             key_dim=self._key_dim,
             value_dim=self._value_dim,
+            sliding_window=None if cache is not None else self._sliding_window,
+            query_length=layout.sequence_length(query),
+            key_length=layout.sequence_length(key),
+            has_attention_mask=attention_mask is not None,
         )
 
         gate = self._gate_dense(query) if self._use_gate else None
@@ -459,7 +463,19 @@ class MultiHeadAttention(keras.layers.Layer):
         )  # (B', S)
 
         new_cache = None
-        if cache is not None:
+        scores = None
+        if path == dispatch.BANDED:
+            context = banded_lib.banded_attention(
+                q,
+                k,
+                v,
+                window=self._sliding_window,
+                causal=use_causal_mask,
+                scale=self._scale,
+                query_mask=query_tokens,
+                key_mask=key_tokens,
+            )
+        elif cache is not None:
             context, scores, new_cache = self._attend_with_cache(
                 path, q, k, v, query_tokens, key_tokens, cache,
                 cache_update_index, training,
@@ -803,6 +819,11 @@ class _AxesLayout:
     def _sizes(self, tensor, axes):
         shape = ops.shape(tensor)
         return [shape[a] for a in axes]
+
+    def sequence_length(self, x):
+        """The static length of the attended sequence of `x`, or `None`."""
+        dims = [x.shape[a] for a in self.attention_axes]
+        return None if None in dims else math.prod(dims)
 
     def to_sequence(self, x):
         """`(B, ..., N, X)` -> `(B', T, N, X)`."""
