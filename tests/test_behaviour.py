@@ -194,6 +194,22 @@ class TestPaths:
         assert dispatch.choose_path(
             return_attention_scores=False, dropout_active=True, **common
         ) == dispatch.EXPLICIT
+        band = dict(common, sliding_window=8, query_length=512,
+                    key_length=512)
+        assert dispatch.choose_path(
+            return_attention_scores=False, dropout_active=False, **band
+        ) == dispatch.BANDED
+        assert dispatch.choose_path(
+            return_attention_scores=False, dropout_active=False,
+            has_attention_mask=True, **band
+        ) == dispatch.FUSED
+        assert dispatch.choose_path(
+            return_attention_scores=True, dropout_active=False, **band
+        ) == dispatch.EXPLICIT
+        unknown = dict(band, query_length=None)  # banded needs static T
+        assert dispatch.choose_path(
+            return_attention_scores=False, dropout_active=False, **unknown
+        ) == dispatch.FUSED
         for backend, path in (("jax", dispatch.EXPLICIT),
                               ("torch", dispatch.FUSED)):
             assert dispatch.choose_path(

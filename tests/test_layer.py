@@ -14,6 +14,7 @@ from util import reference
 from util import to_numpy
 
 import keras_mha
+from keras_mha import dispatch
 
 
 def _case_id(params):
@@ -334,3 +335,70 @@ class TestCausalAlongAxis:
             keras_mha.MultiHeadAttention(
                 num_heads=2, key_dim=4, attention_axes=(1, 2), sliding_window=2
             )
+
+
+class TestBandedPath:
+    """The banded path inside the layer, on both sides of its threshold."""
+
+    @pytest.mark.parametrize("window", [1, 17, 128])
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_every_path_matches_reference(self, rng, window, causal):
+        query, value = random_inputs(rng, batch=2, query_length=300)
+        value_mask = np.ones((2, 300), bool)
+        value_mask[1, -37:] = False  # padding at the end
+        layer = make_layer(query, value, num_heads=4, key_dim=4,
+                           num_key_value_heads=2, sliding_window=window)
+        expected, _ = reference(layer, query, value, value_mask=value_mask,
+                                use_causal_mask=causal)
+        for path in dispatch.PATHS:
+            with dispatch.force_path(path):
+                output = layer(query, value, value_mask=value_mask,
+                               use_causal_mask=causal)
+            assert_close(output, expected, atol=1e-5, rtol=1e-5)
+
+    @pytest.mark.parametrize(
+        "window, key_length",
+        [
+            (100, dispatch.BANDED_MIN_RATIO * 100 - 1),
+            (100, dispatch.BANDED_MIN_RATIO * 100),
+            (2, dispatch.BANDED_MIN_LENGTH - 1),
+            (2, dispatch.BANDED_MIN_LENGTH),
+        ],
+    )
+    def test_threshold(self, rng, window, key_length):
+        """Either side of each threshold: the rule flips, the numbers don't."""
+        path = dispatch.choose_path(
+            return_attention_scores=False, dropout_active=False, key_dim=4,
+            value_dim=4, sliding_window=window, query_length=key_length,
+            key_length=key_length,
+        )
+        banded = (
+            key_length >= dispatch.BANDED_MIN_RATIO * window
+            and key_length >= dispatch.BANDED_MIN_LENGTH
+        )
+        assert path == (dispatch.BANDED if banded else dispatch.FUSED)
+        query, value = random_inputs(rng, batch=1, query_length=key_length)
+        layer = make_layer(query, value, num_heads=2, key_dim=4,
+                           sliding_window=window)
+        expected, _ = reference(layer, query, value, use_causal_mask=True)
+        assert_close(layer(query, value, use_causal_mask=True), expected,
+                     rtol=1e-5)
+
+    @pytest.mark.training
+    def test_same_gradient_step_as_keras(self, rng):
+        query, value = random_inputs(rng, batch=2, query_length=300)
+        target = rng.normal(size=(2, 300, 8)).astype("float32")
+        ours = make_layer(query, value, num_heads=2, key_dim=4,
+                          sliding_window=17)
+        twin = make_keras_twin(ours, query, value)
+        models = []
+        for layer in (ours, twin):
+            q_in, v_in = keras.Input((300, 8)), keras.Input((300, 8))
+            model = keras.Model(
+                [q_in, v_in], layer(q_in, v_in, use_causal_mask=True)
+            )
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+            model.train_on_batch([query, value], target)
+            models.append(model)
+        for a, b in zip(*(m.get_weights() for m in models)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
