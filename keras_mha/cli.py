@@ -1,9 +1,9 @@
-"""The `keras-mha` command line: `demo`, `info`, `compare`, `test`.
+"""The `keras-mha` command line: `demo`, `info`, `compare`, `test`, `bench`.
 
 This module parses arguments and turns every failure into one line on stderr
 and an exit code; the work of each subcommand lives in its own module
-(`demo.py`, `info.py`, `compare.py`, `testrun.py`), imported only when that
-subcommand runs.
+(`demo.py`, `info.py`, `compare.py`, `testrun.py`, `bench/`), imported only
+when that subcommand runs.
 
 A Keras process has exactly one backend, fixed when Keras is imported, so
 everything that runs on a chosen backend runs in a child process with
@@ -166,6 +166,8 @@ def build_parser():
                         help="dropout > 0 and training=True")
     config.add_argument("--causal", action="store_true",
                         help="use_causal_mask=True")
+    config.add_argument("--attention-mask", action="store_true",
+                        help="an attention_mask or padding mask is given")
     config.add_argument("--key-dim", type=_positive_int,
                         metavar="H", help="key_dim (default 64)")
     config.add_argument("--value-dim", type=_positive_int, metavar="V",
@@ -208,6 +210,10 @@ def build_parser():
                       "numpy)")
     test.add_argument("-j", "--jobs", type=_positive_int, default=1,
                       metavar="N", help="backends run at once (default 1)")
+
+    from keras_mha import bench  # its own flags; imports nothing heavy
+
+    bench.add_parser(commands)
     return parser
 
 
@@ -247,7 +253,7 @@ def _parse(argv):
     args.pytest_args = unknown + passthrough
     if args.command is None:
         raise CLIError(f"no command given; choose from demo, info, compare, "
-                       f"test (see {PROG} --help)")
+                       f"test, bench (see {PROG} --help)")
     return args
 
 
@@ -283,6 +289,10 @@ def _dispatch(args):
             jobs=args.jobs,
             pytest_args=args.pytest_args,
         )
+    if args.command == "bench":
+        from keras_mha import bench
+
+        return bench.run(args)
     raise CLIError(f"unknown command {args.command!r}")
 
 

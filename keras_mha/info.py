@@ -20,13 +20,15 @@ _PATH_KEYWORDS = {
     "query_length": ("query_length", "query_len", "seq_len"),
     "key_length": ("key_length", "key_len"),
     "causal": ("use_causal_mask", "causal", "is_causal"),
+    "attention_mask": ("has_attention_mask", "has_mask"),
 }
 
 
 def config_args(args):
     """The call-configuration flags of `args`, as command-line arguments."""
     argv = []
-    for flag in ("return_scores", "dropout_training", "causal"):
+    for flag in ("return_scores", "dropout_training", "causal",
+                 "attention_mask"):
         if getattr(args, flag):
             argv.append("--" + flag.replace("_", "-"))
     for flag in ("key_dim", "value_dim", "sliding_window", "query_length",
@@ -50,6 +52,7 @@ def call_configuration(args):
         "return_scores": args.return_scores,
         "dropout_training": args.dropout_training,
         "causal": args.causal,
+        "attention_mask": args.attention_mask,
         "key_dim": key_dim,
         "value_dim": args.value_dim or key_dim,
         "sliding_window": args.sliding_window,

@@ -1,7 +1,7 @@
 """`keras-mha test`: the project's `tests/` on each backend, one process each.
 
 Each run is `python -m pytest tests -q -p no:cacheprovider ARGS` in the
-current folder with `KERAS_BACKEND=<backend>` and, where the folder exists,
+current folder (without `tests` when ARGS name test files) with `KERAS_BACKEND=<backend>` and, where the folder exists,
 `KERAS_HOME=configs/<backend>`. With one job the output streams as it comes;
 with more, each backend's output is printed whole when it finishes. A
 summary line per backend closes the run; any failure (tests failing, no
@@ -68,8 +68,11 @@ class _Run:
 
 
 def _command(pytest_args, color):
-    command = [sys.executable, "-m", "pytest", "tests", "-q",
-               "-p", "no:cacheprovider"]
+    # Paths given (`tests/test_cli.py::test_x`) replace the default `tests`.
+    paths = [a for a in pytest_args
+             if not a.startswith("-") and os.path.exists(a.split("::")[0])]
+    command = [sys.executable, "-m", "pytest", *([] if paths else ["tests"]),
+               "-q", "-p", "no:cacheprovider"]
     if color and not any(a.startswith("--color") for a in pytest_args):
         command.append("--color=yes")
     return command + list(pytest_args)
@@ -86,12 +89,12 @@ def _env(backend, root):
     return env
 
 
-def _start(run, pytest_args, root, color):
-    run.started = time.perf_counter()
-    run.process = subprocess.Popen(
+def _start(job, pytest_args, root, color):
+    job.started = time.perf_counter()
+    job.process = subprocess.Popen(
         _command(pytest_args, color),
         cwd=root,
-        env=_env(run.backend, root),
+        env=_env(job.backend, root),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -100,8 +103,8 @@ def _start(run, pytest_args, root, color):
     )
 
 
-def _finish(run):
-    run.seconds = time.perf_counter() - run.started
+def _finish(job):
+    job.seconds = time.perf_counter() - job.started
 
 
 def run(backends=None, jobs=1, pytest_args=()):

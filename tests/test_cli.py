@@ -178,33 +178,27 @@ def test_info_child():
 
 
 @pytest.mark.parametrize(
-    "flags, kwargs",
+    "flags, path",
     [
-        ([], {}),
-        (["--return-scores"], {"return_attention_scores": True}),
-        (["--dropout-training"], {"dropout_active": True}),
-        (["--key-dim", "8", "--value-dim", "16"], {"key_dim": 8,
-                                                    "value_dim": 16}),
-        (["--causal", "--sliding-window", "4", "--query-length", "4096"], {}),
+        ([], None),
+        (["--return-scores"], dispatch.EXPLICIT),  # the weights are needed
+        (["--dropout-training"], dispatch.EXPLICIT),
+        (["--key-dim", "8", "--value-dim", "16"], None),
+        (["--causal", "--sliding-window", "4", "--query-length", "4096"],
+         None),
     ],
     ids=["default", "scores", "dropout", "value_dim", "window"],
 )
-def test_info_path_is_dispatchs(flags, kwargs, capsys):
+def test_info_path_is_dispatchs(flags, path, capsys):
     assert cli.main(["info", *flags]) == 0
     out = capsys.readouterr().out
     configuration, _ = info.call_configuration(
         cli.build_parser().parse_args(["info", *flags])
     )
-    expected, _ = info.path_for(dispatch.choose_path, configuration)
+    expected, _ = info.path_for(dispatch.choose_path, configuration, BACKEND)
     assert f"\npath: {expected}\n" in out
-    if not kwargs:
-        return
-    full = dict(return_attention_scores=False, dropout_active=False,
-                key_dim=64, value_dim=64)
-    full.update(kwargs)
-    if "key_dim" in kwargs and "value_dim" not in kwargs:
-        full["value_dim"] = kwargs["key_dim"]
-    assert expected == dispatch.choose_path(**full)
+    if path is not None:
+        assert expected == path
 
 
 def test_path_for_passes_only_accepted_keywords():
@@ -216,13 +210,14 @@ def test_path_for_passes_only_accepted_keywords():
         return "banded" if sliding_window else "fused"
 
     configuration = dict(return_scores=True, dropout_training=False,
-                         causal=True, key_dim=8, value_dim=8,
-                         sliding_window=4, query_length=512, key_length=512)
+                         causal=True, attention_mask=False, key_dim=8,
+                         value_dim=8, sliding_window=4, query_length=512,
+                         key_length=512)
     path, ignored = info.path_for(choose_path, configuration)
     assert path == "banded"
     assert seen == dict(key_dim=8, sliding_window=4, query_length=512)
     assert set(ignored) == {"return_scores", "dropout_training", "causal",
-                            "value_dim", "key_length"}
+                            "attention_mask", "value_dim", "key_length"}
 
     def needs_more(*, key_dim, cache):
         return "cached"
@@ -344,3 +339,13 @@ def test_test_parses_pytest_counts():
     run.read()
     assert run.counts == "3 passed, 1 skipped in 61.02s (0:01:01)"
     assert run.passed
+
+
+def test_test_names_files_instead_of_the_folder(tmp_path, monkeypatch):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("def test_a():\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    whole = testrun._command(["-k", "a"], color=False)
+    assert whole[3:4] == ["tests"] and whole[-2:] == ["-k", "a"]
+    one = testrun._command(["tests/test_a.py::test_a"], color=False)
+    assert "tests" not in one and one[-1] == "tests/test_a.py::test_a"
