@@ -1,8 +1,8 @@
-"""The `keras-mha` command line: `demo`, `info`, `compare`, `test`, `bench`.
+"""The `keras-mha` command line: `demo`, `info`, `compare`, `test`.
 
 This module parses arguments and turns every failure into one line on stderr
 and an exit code; the work of each subcommand lives in its own module
-(`demo.py`, `info.py`, `compare.py`, `testrun.py`, `bench/`), imported only
+(`demo.py`, `info.py`, `compare.py`, `testrun.py`), imported only
 when that subcommand runs.
 
 A Keras process has exactly one backend, fixed when Keras is imported, so
@@ -208,12 +208,11 @@ def build_parser():
     test.add_argument("--backends", metavar="A,B",
                       help="comma-separated (default: tensorflow,jax,torch,"
                       "numpy)")
-    test.add_argument("-j", "--jobs", type=_positive_int, default=1,
-                      metavar="N", help="backends run at once (default 1)")
+    # Two at once: each backend's run is mostly one busy thread (JAX spends
+    # it compiling), so two overlap well on a 2-core machine.
+    test.add_argument("-j", "--jobs", type=_positive_int, default=2,
+                      metavar="N", help="backends run at once (default 2)")
 
-    from keras_mha import bench  # its own flags; imports nothing heavy
-
-    bench.add_parser(commands)
     return parser
 
 
@@ -253,7 +252,7 @@ def _parse(argv):
     args.pytest_args = unknown + passthrough
     if args.command is None:
         raise CLIError(f"no command given; choose from demo, info, compare, "
-                       f"test, bench (see {PROG} --help)")
+                       f"test (see {PROG} --help)")
     return args
 
 
@@ -289,10 +288,6 @@ def _dispatch(args):
             jobs=args.jobs,
             pytest_args=args.pytest_args,
         )
-    if args.command == "bench":
-        from keras_mha import bench
-
-        return bench.run(args)
     raise CLIError(f"unknown command {args.command!r}")
 
 
