@@ -1,9 +1,11 @@
 """`keras_mha.MultiHeadAttention`: projections around the attention paths."""
 
 import math
+import numbers
 import string
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_mha import attention as attention_lib
@@ -14,12 +16,52 @@ from keras_mha import masks as masks_lib
 
 
 def _check_positive_int(name, value, allow_none=False):
+    """Returns `value` as a Python int (NumPy integers too), or `None`."""
     if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value <= 0
+    ):
         expected = "a positive integer" + (" or `None`" if allow_none else "")
         raise ValueError(
             f"Argument `{name}` must be {expected}. Received: {name}={value!r}"
+        )
+    return int(value)
+
+
+def _shape_and_dtype(x):
+    """`(shape, dtype)` of a tensor, `KerasTensor`, array or nested list."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    return tuple(x.shape), keras.backend.standardize_dtype(x.dtype)
+
+
+def _check_mask(name, mask, targets, broadcast=True):
+    """Checks that a mask is boolean or integer and has a shape it may have.
+
+    Args:
+        name: the argument's name, for the message.
+        mask: the mask, in any form `_shape_and_dtype` takes.
+        targets: `{rank: (description, shape)}`; `None` sizes are unknown.
+        broadcast: whether sizes of 1 broadcast.
+    """
+    shape, dtype = _shape_and_dtype(mask)
+    if dtype != "bool" and "int" not in dtype:
+        raise TypeError(
+            f"`{name}` must be boolean or integer (True/1 = may attend). "
+            f"Received: {name}.dtype={dtype}"
+        )
+    description, target = targets.get(len(shape), (None, None))
+    if target is None or not all(
+        got is None or want is None or got == want or (broadcast and got == 1)
+        for got, want in zip(shape, target)
+    ):
+        expected = " or ".join(f"{d} = {t}" for d, t in targets.values())
+        raise ValueError(
+            f"`{name}` must {'broadcast to' if broadcast else 'have shape'} "
+            f"{expected}. Received: {name}.shape={shape}"
         )
 
 
@@ -113,10 +155,10 @@ class MultiHeadAttention(keras.layers.Layer):
         num_key_value_heads=None,
         **kwargs,
     ):
-        _check_positive_int("num_heads", num_heads)
-        _check_positive_int("key_dim", key_dim)
-        _check_positive_int("value_dim", value_dim, allow_none=True)
-        _check_positive_int(
+        num_heads = _check_positive_int("num_heads", num_heads)
+        key_dim = _check_positive_int("key_dim", key_dim)
+        value_dim = _check_positive_int("value_dim", value_dim, allow_none=True)
+        num_key_value_heads = _check_positive_int(
             "num_key_value_heads", num_key_value_heads, allow_none=True
         )
         if num_key_value_heads is not None and num_heads % num_key_value_heads:
@@ -127,15 +169,19 @@ class MultiHeadAttention(keras.layers.Layer):
             )
         if (
             isinstance(dropout, bool)
-            or not isinstance(dropout, (int, float))
+            or not isinstance(dropout, numbers.Real)
             or not 0.0 <= dropout < 1.0
         ):
             raise ValueError(
                 "Argument `dropout` must be a number in [0, 1). "
                 f"Received: dropout={dropout!r}"
             )
-        _check_positive_int("sliding_window", sliding_window, allow_none=True)
-        if flash_attention not in (None, True, False):
+        sliding_window = _check_positive_int(
+            "sliding_window", sliding_window, allow_none=True
+        )
+        if flash_attention is not None and not isinstance(
+            flash_attention, bool
+        ):
             raise ValueError(
                 "Argument `flash_attention` must be `None`, `True` or `False`. "
                 f"Received: flash_attention={flash_attention!r}"
@@ -284,6 +330,11 @@ class MultiHeadAttention(keras.layers.Layer):
         self._check_input_shapes(query_shape, value_shape, key_shape)
         rank = len(query_shape)
         self._layout = _AxesLayout(rank, self._attention_axes)
+        self._feature_sizes = {
+            "query": query_shape[-1],
+            "value": value_shape[-1],
+            "key": key_shape[-1],
+        }
         self._query_dense = self._projection(
             rank, [self._num_heads, self._key_dim], "query"
         )
@@ -383,23 +434,104 @@ class MultiHeadAttention(keras.layers.Layer):
                     f"The last dimension of `{name}` must be defined. "
                     f"Received: {name}.shape={shape}"
                 )
-        if self._attention_axes is not None:
-            # Validates the axes too.
-            layout = _AxesLayout(len(query_shape), self._attention_axes)
-            batch_axes = layout.batch_axes
-            query_batch = tuple(query_shape[a] for a in [0, *batch_axes])
-            key_batch = tuple(key_shape[a] for a in [0, *batch_axes])
-            if not _dims_agree(query_batch, key_batch):
-                raise ValueError(
-                    "`query` and `key` must agree on the batch and "
-                    "non-attention axes. Received: "
-                    f"query.shape={query_shape}, key.shape={key_shape}, "
-                    f"attention_axes={self._attention_axes}"
-                )
-        elif not _dims_agree(query_shape[:1], key_shape[:1]):
+        # Validates the axes too. `value` is compared with `query`: it is
+        # always given, and `key` agrees with it.
+        layout = _AxesLayout(len(query_shape), self._attention_axes)
+        batch_axes = layout.batch_axes
+        query_batch = tuple(query_shape[a] for a in [0, *batch_axes])
+        value_batch = tuple(value_shape[a] for a in [0, *batch_axes])
+        if not _dims_agree(query_batch, value_batch):
             raise ValueError(
-                "`query` and `key` must have the same batch size. Received: "
-                f"query.shape={query_shape}, key.shape={key_shape}"
+                "`query` and `value` must agree on the batch and "
+                "non-attention axes. Received: "
+                f"query.shape={query_shape}, value.shape={value_shape}, "
+                f"attention_axes={self._attention_axes}"
+            )
+        if any(value_shape[a] == 0 for a in layout.attention_axes):
+            raise ValueError(
+                "`value` must have at least one position to attend to. "
+                f"Received: value.shape={value_shape}"
+            )
+
+    def _check_built_shapes(self, query_shape, value_shape, key_shape):
+        """Inputs must fit the weights: same rank and feature sizes."""
+        if not self.built:
+            return
+        for name, shape in (
+            ("query", query_shape),
+            ("value", value_shape),
+            ("key", key_shape),
+        ):
+            features = self._feature_sizes[name]
+            if len(shape) != self._layout.rank or shape[-1] not in (
+                None,
+                features,
+            ):
+                raise ValueError(
+                    f"`{name}` must have rank {self._layout.rank} and "
+                    f"{features} features, as when the layer was built. "
+                    f"Received: {name}.shape={shape}"
+                )
+
+    def _check_call_arguments(
+        self,
+        query,
+        value,
+        key,
+        query_mask,
+        value_mask,
+        key_mask,
+        attention_mask,
+        return_attention_scores,
+        use_causal_mask,
+        cache,
+        cache_update_index,
+    ):
+        """Checks a call from shapes and dtypes alone.
+
+        Runs in `call` and in `compute_output_spec`, so bad inputs fail
+        while a Functional model is built, and never as a backend error.
+        """
+        key = value if key is None else key
+        query_shape, value_shape, key_shape = (
+            tuple(query.shape),
+            tuple(value.shape),
+            tuple(key.shape),
+        )
+        self._check_input_shapes(query_shape, value_shape, key_shape)
+        self._check_built_shapes(query_shape, value_shape, key_shape)
+        layout = _AxesLayout(len(query_shape), self._attention_axes)
+        for name, mask, shape in (
+            ("query_mask", query_mask, query_shape),
+            ("value_mask", value_mask, value_shape),
+            ("key_mask", key_mask, key_shape),
+        ):
+            if mask is not None:
+                target = {len(shape) - 1: ("(B, ...)", shape[:-1])}
+                _check_mask(name, mask, target, broadcast=layout.identity)
+        if attention_mask is not None:
+            _check_mask(
+                "attention_mask",
+                attention_mask,
+                layout.attention_mask_targets(
+                    query_shape, key_shape, self._num_heads
+                ),
+            )
+        if use_causal_mask and layout.multi_axis:
+            raise ValueError(
+                "`use_causal_mask=True` needs a single attention axis. "
+                f"Received: attention_axes={self._attention_axes}"
+            )
+        if return_attention_scores and self._flash_attention:
+            raise ValueError(
+                "Attention scores cannot be returned when flash attention is "
+                "required. Received: flash_attention=True, "
+                "return_attention_scores=True"
+            )
+        if cache is not None or cache_update_index is not None:
+            self._check_cache_call(
+                query, value, key, cache, cache_update_index,
+                use_causal_mask, attention_mask,
             )
 
     # ------------------------------------------------------------------- call
@@ -421,27 +553,12 @@ class MultiHeadAttention(keras.layers.Layer):
     ):
         if key is None:
             key = value
-            key_mask = None  # the value's mask already covers the keys
-        self._check_input_shapes(
-            tuple(query.shape), tuple(value.shape), tuple(key.shape)
+        self._check_call_arguments(
+            query, value, key, query_mask, value_mask, key_mask,
+            attention_mask, return_attention_scores, use_causal_mask, cache,
+            cache_update_index,
         )
         layout = self._layout
-        if use_causal_mask and layout.multi_axis:
-            raise ValueError(
-                "`use_causal_mask=True` needs a single attention axis. "
-                f"Received: attention_axes={self._attention_axes}"
-            )
-        if return_attention_scores and self._flash_attention:
-            raise ValueError(
-                "Attention scores cannot be returned when flash attention is "
-                "required. Received: flash_attention=True, "
-                "return_attention_scores=True"
-            )
-        if cache is not None or cache_update_index is not None:
-            self._check_cache_call(
-                query, cache, cache_update_index, use_causal_mask,
-                attention_mask,
-            )
         path = dispatch.choose_path(
             return_attention_scores=return_attention_scores,
             dropout_active=bool(training) and self._dropout > 0.0,
@@ -451,6 +568,8 @@ class MultiHeadAttention(keras.layers.Layer):
             query_length=layout.sequence_length(query),
             key_length=layout.sequence_length(key),
             has_attention_mask=attention_mask is not None,
+            causal=use_causal_mask and cache is None,
+            flash_attention=self._flash_attention,
         )
 
         gate = self._gate_dense(query) if self._use_gate else None
@@ -461,6 +580,11 @@ class MultiHeadAttention(keras.layers.Layer):
         key_tokens = masks_lib.combine_masks(
             layout.token_mask(value_mask), layout.token_mask(key_mask)
         )  # (B', S)
+        # Padding is never read, yet a weight of 0 times a NaN or inf there
+        # is NaN: zero padded tokens so garbage cannot leak into real ones.
+        q = _zero_padding(q, query_tokens)
+        k = _zero_padding(k, key_tokens)
+        v = _zero_padding(v, key_tokens)
 
         new_cache = None
         scores = None
@@ -473,6 +597,15 @@ class MultiHeadAttention(keras.layers.Layer):
                 causal=use_causal_mask,
                 scale=self._scale,
                 query_mask=query_tokens,
+                key_mask=key_tokens,
+                dropout=self._dropout if training else 0.0,
+                seed=self._dropout_layer.seed_generator
+                if training and self._dropout > 0.0
+                else None,
+            )
+        elif path == dispatch.TRIANGULAR:
+            context = attention_lib.triangular_attention(
+                q, k, v, scale=self._scale, query_mask=query_tokens,
                 key_mask=key_tokens,
             )
         elif cache is not None:
@@ -580,7 +713,7 @@ class MultiHeadAttention(keras.layers.Layer):
         )
 
     def _check_cache_call(
-        self, query, cache, index, use_causal_mask, attention_mask
+        self, query, value, key, cache, index, use_causal_mask, attention_mask
     ):
         if cache is None or index is None:
             raise ValueError(
@@ -593,7 +726,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 "Decoding with a cache needs `use_causal_mask=True`. "
                 f"Received: use_causal_mask={use_causal_mask}"
             )
-        if not self._layout.identity:
+        if len(query.shape) != 3:
             raise ValueError(
                 "A cache needs inputs of rank 3 (batch, sequence, features). "
                 f"Received: query.shape={tuple(query.shape)}"
@@ -603,7 +736,26 @@ class MultiHeadAttention(keras.layers.Layer):
                 "`attention_mask` is not supported with a cache; pass "
                 "`query_mask`/`value_mask` (the cache remembers padding). "
                 "Received: attention_mask with shape "
-                f"{tuple(attention_mask.shape)}"
+                f"{_shape_and_dtype(attention_mask)[0]}"
+            )
+        for name, tensor in (("value", value), ("key", key)):
+            if not _dims_agree(tuple(tensor.shape)[1:2], query.shape[1:2]):
+                raise ValueError(
+                    f"With a cache, `{name}` holds the new tokens: it must "
+                    "have the length of `query`. Received: "
+                    f"query.shape={tuple(query.shape)}, "
+                    f"{name}.shape={tuple(tensor.shape)}"
+                )
+        if not hasattr(cache, "shape") or not hasattr(cache, "dtype"):
+            raise TypeError(
+                "`cache` must be a tensor (see `init_cache`). Received: "
+                f"cache of type {type(cache).__name__}"
+            )
+        dtype = keras.backend.standardize_dtype(cache.dtype)
+        if "float" not in dtype:
+            raise TypeError(
+                "`cache` must be a floating-point tensor (see `init_cache`). "
+                f"Received: cache.dtype={dtype}"
             )
         expected = cache_lib.cache_shape(
             query.shape[0],
@@ -620,14 +772,20 @@ class MultiHeadAttention(keras.layers.Layer):
                 f"{expected} (see `init_cache`). Received: "
                 f"cache.shape={tuple(cache.shape)}"
             )
-        if isinstance(index, bool) or (
-            not isinstance(index, int) and len(getattr(index, "shape", ())) != 0
+        if isinstance(index, bool) or not (
+            isinstance(index, numbers.Integral)
+            or (
+                hasattr(index, "shape")
+                and len(index.shape) == 0
+                and "int" in keras.backend.standardize_dtype(index.dtype)
+            )
         ):
             raise ValueError(
                 "`cache_update_index` must be an integer or a scalar integer "
                 f"tensor. Received: cache_update_index={index!r}"
             )
-        if isinstance(index, int):
+        if isinstance(index, numbers.Integral):
+            index = int(index)
             length = query.shape[1]
             if index < 0 or (
                 not self.rolling_cache
@@ -710,6 +868,11 @@ class MultiHeadAttention(keras.layers.Layer):
         cache=None,
         cache_update_index=None,
     ):
+        self._check_call_arguments(
+            query, value, key, query_mask, value_mask, key_mask,
+            attention_mask, return_attention_scores, use_causal_mask, cache,
+            cache_update_index,
+        )
         key_shape = None if key is None else key.shape
         specs = [
             keras.KerasTensor(
@@ -739,17 +902,18 @@ class MultiHeadAttention(keras.layers.Layer):
 def _normalize_output_shape(output_shape):
     if output_shape is None:
         return None
-    if isinstance(output_shape, int) and not isinstance(output_shape, bool):
-        output_shape = (output_shape,)
-    if not isinstance(output_shape, (tuple, list)) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d > 0
-        for d in output_shape
+    shape = output_shape
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0
+        for d in shape
     ):
         raise ValueError(
             "Argument `output_shape` must be a positive integer or a tuple "
             f"of positive integers. Received: output_shape={output_shape!r}"
         )
-    return tuple(output_shape) or None
+    return tuple(int(d) for d in shape) or None
 
 
 def _normalize_attention_axes(attention_axes):
@@ -772,6 +936,15 @@ def _normalize_attention_axes(attention_axes):
             f"ints. Received: attention_axes={attention_axes!r}"
         )
     return tuple(attention_axes)
+
+
+def _zero_padding(x, tokens):
+    """`x` `(B', L, heads, X)` with the positions where `tokens` is False
+    set to 0; `x` itself when `tokens` is `None`."""
+    if tokens is None:
+        return x
+    keep = ops.cast(tokens, "bool")[:, :, None, None]  # (B', L, 1, 1)
+    return ops.where(keep, x, ops.zeros_like(x))
 
 
 def _dims_agree(a, b):
@@ -851,30 +1024,32 @@ class _AxesLayout:
         )
         return ops.reshape(mask, (-1, seq))
 
+    def attention_mask_targets(self, query_shape, key_shape, num_heads):
+        """`{rank: (description, shape)}`: what an `attention_mask` may be."""
+        if self.identity:
+            batch, t, s = query_shape[0], query_shape[1], key_shape[1]
+            return {
+                2: ("(T, S)", (t, s)),
+                3: ("(B, T, S)", (batch, t, s)),
+                4: ("(B, N, T, S)", (batch, num_heads, t, s)),
+            }
+        full = tuple(
+            query_shape[a]
+            for a in (0, *self.batch_axes, *self.attention_axes)
+        ) + tuple(key_shape[a] for a in self.attention_axes)
+        return {len(full): ("(B, <other axes>, <T axes>, <S axes>)", full)}
+
     def attention_mask(self, mask, query, key, num_heads):
-        """A user `attention_mask` -> boolean, broadcastable to `(B', N, T, S)`."""
+        """A user `attention_mask` (checked) -> `(B'|1, N|1, T, S)` boolean."""
         if mask is None:
             return None
-        mask = ops.convert_to_tensor(mask)
-        dtype = ops.dtype(mask)
-        if dtype != "bool" and "int" not in dtype:
-            raise TypeError(
-                "`attention_mask` must be boolean or integer (True/1 = may "
-                f"attend). Received: attention_mask.dtype={dtype}"
-            )
-        mask = ops.cast(mask, "bool")
+        mask = ops.cast(ops.convert_to_tensor(mask), "bool")
         if self.identity:
-            return _rank4_mask(mask, query, key, num_heads)
+            return _rank4_mask(mask)
         # Keras's multi-axis layout: (B, <batch axes>, <T axes>, <S axes>).
         q_axes = self._sizes(query, (0, *self.batch_axes, *self.attention_axes))
         s_axes = self._sizes(key, self.attention_axes)
         full = (*q_axes, *s_axes)
-        if len(mask.shape) != len(full):
-            raise ValueError(
-                "`attention_mask` must have rank "
-                f"{len(full)} for these attention axes. Received: "
-                f"attention_mask.shape={tuple(mask.shape)}"
-            )
         mask = ops.broadcast_to(mask, full)
         seq_t = math.prod(q_axes[1 + len(self.batch_axes) :])
         seq_s = math.prod(s_axes)
@@ -898,28 +1073,23 @@ class _AxesLayout:
         return (*lead, num_heads, *t_axes, *s_axes)
 
 
-def _rank4_mask(mask, query, key, num_heads):
-    """`attention_mask` of rank 2-4 -> `(B|1, N|1, T, S)`, checked."""
+def _rank4_mask(mask):
+    """A checked `attention_mask` of rank 2-4 -> `(B|1, N|1, T, S)`."""
     rank = len(mask.shape)
     if rank == 2:
-        mask = mask[None, None]  # (1, 1, T, S)
-    elif rank == 3:
-        mask = mask[:, None]  # (B|1, 1, T|1, S)
-    elif rank != 4:
-        raise ValueError(
-            "`attention_mask` must have shape (T, S), (B, T, S) or "
-            "(B, N, T, S), or broadcast to one. Received: "
-            f"attention_mask.shape={tuple(mask.shape)}"
-        )
-    target = (query.shape[0], num_heads, query.shape[1], key.shape[1])
-    for got, want in zip(mask.shape, target):
-        if got is not None and want is not None and got not in (1, want):
-            raise ValueError(
-                "`attention_mask` does not broadcast to (B, N, T, S) = "
-                f"{target}. Received: attention_mask.shape="
-                f"{tuple(mask.shape)}"
-            )
+        return mask[None, None]  # (1, 1, T, S)
+    if rank == 3:
+        return mask[:, None]  # (B|1, 1, T|1, S)
     return mask
+
+
+_MHA_ONLY_ARGUMENTS = (
+    "num_heads",
+    "key_dim",
+    "value_dim",
+    "output_shape",
+    "attention_axes",
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -961,9 +1131,28 @@ class GroupedQueryAttention(MultiHeadAttention):
         seed=None,
         **kwargs,
     ):
-        _check_positive_int("head_dim", head_dim)
-        _check_positive_int("num_query_heads", num_query_heads)
-        _check_positive_int("num_key_value_heads", num_key_value_heads)
+        head_dim = _check_positive_int("head_dim", head_dim)
+        num_query_heads = _check_positive_int(
+            "num_query_heads", num_query_heads
+        )
+        num_key_value_heads = _check_positive_int(
+            "num_key_value_heads", num_key_value_heads
+        )
+        if num_query_heads % num_key_value_heads:
+            raise ValueError(
+                "`num_key_value_heads` must divide `num_query_heads`. "
+                f"Received: num_query_heads={num_query_heads}, "
+                f"num_key_value_heads={num_key_value_heads}"
+            )
+        # `MultiHeadAttention`'s own arguments would be lost by `get_config`.
+        foreign = {k: kwargs[k] for k in _MHA_ONLY_ARGUMENTS if k in kwargs}
+        if foreign:
+            received = ", ".join(f"{k}={v!r}" for k, v in foreign.items())
+            raise ValueError(
+                "`GroupedQueryAttention` does not take "
+                f"{', '.join(f'`{k}`' for k in foreign)} (use "
+                f"`MultiHeadAttention`). Received: {received}"
+            )
         super().__init__(
             num_heads=num_query_heads,
             key_dim=head_dim,
@@ -994,8 +1183,7 @@ class GroupedQueryAttention(MultiHeadAttention):
 
     def get_config(self):
         config = super().get_config()
-        for name in ("num_heads", "key_dim", "value_dim", "output_shape",
-                     "attention_axes"):
+        for name in _MHA_ONLY_ARGUMENTS:
             config.pop(name)
         config.update(head_dim=self._key_dim, num_query_heads=self._num_heads)
         return config
