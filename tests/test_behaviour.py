@@ -206,6 +206,13 @@ class TestPaths:
         assert dispatch.choose_path(
             return_attention_scores=True, dropout_active=False, **band
         ) == dispatch.EXPLICIT
+        assert dispatch.choose_path(
+            return_attention_scores=False, dropout_active=True, **band
+        ) == dispatch.BANDED
+        short = dict(band, key_length=16)  # below the band's threshold
+        assert dispatch.choose_path(
+            return_attention_scores=False, dropout_active=True, **short
+        ) == dispatch.EXPLICIT
         unknown = dict(band, query_length=None)  # banded needs static T
         assert dispatch.choose_path(
             return_attention_scores=False, dropout_active=False, **unknown

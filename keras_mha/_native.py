@@ -1,0 +1,88 @@
+"""Backend-specific kernels behind the interfaces of the portable paths.
+
+Only what measurably beats the `keras.ops` version lives here, and each
+function computes exactly what its portable twin computes (the tests run
+both against the same reference).
+
+torch: `banded_core` hands the blocks of the band to
+`torch.nn.functional.scaled_dot_product_attention`, whose fused kernels
+(flash attention on CPU, memory-efficient attention on GPU) never write the
+`(b, span)` scores of a block to memory. On a 2-core CPU this made the
+banded forward about 2x faster and the backward about 1.5x faster than the
+`keras.ops` version at `T = 16384`, `w = 128` (see `banded.py`).
+"""
+
+import torch
+
+
+def banded_core(query, key, value, mask, has_key, scale, band):
+    """`banded._portable_core` with torch's fused attention kernel.
+
+    Args:
+        query: `(B, n·b, N, H)`, float32 or float64.
+        key: `(B, S, K, H)`.
+        value: `(B, S, K, V)`.
+        mask: boolean `(B|1, n, b, span)`.
+        has_key: boolean `(B|1, n, b, 1)`, whether a row has any key, or
+            `None` when every row has one.
+        scale: multiplies the logits.
+        band: the `banded._Band` geometry.
+
+    Returns:
+        `(B, n·b, N, V)`; rows without keys are finite and zeroed by the
+        caller.
+    """
+    batch, padded_len, num_heads, head = query.shape
+    num_kv, value_head = key.shape[2], value.shape[3]
+    groups = num_heads // num_kv
+    n, b, span = band.num_blocks, band.block, band.span
+    # The query blocks become the kernel's "heads" and the grouped query
+    # heads extra rows: (B·K, n, G·b, H) against keys (B·K, n, span, H), so
+    # keys are never repeated per group.
+    q = query.reshape(batch, n, b, num_kv, groups, head)
+    q = q.permute(0, 3, 1, 4, 2, 5).reshape(batch * num_kv, n, groups * b, head)
+    k = _spans(key, band)  # (B·K, n, span, H)
+    v = _spans(value, band)  # (B·K, n, span, V)
+    if has_key is not None:
+        # The kernels answer rows with nothing to attend to with NaN or the
+        # mean of the values depending on the version: open them (the
+        # caller zeroes them).
+        mask = torch.logical_or(mask, torch.logical_not(has_key))
+    mask_batch = mask.shape[0]
+    mask = mask[:, None, :, None].expand(mask_batch, num_kv, n, groups, b, span)
+    if mask_batch == 1:
+        mask = mask[:, 0].reshape(1, n, groups * b, span)  # broadcast over B·K
+    else:
+        mask = mask.reshape(batch * num_kv, n, groups * b, span)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale
+    )  # (B·K, n, G·b, V)
+    out = out.reshape(batch, num_kv, n, groups, b, value_head)
+    out = out.permute(0, 2, 4, 1, 3, 5)  # (B, n, b, K, G, V)
+    return out.reshape(batch, padded_len, num_heads, value_head)
+
+
+def _spans(x, band):
+    """Keys `(B, S, K, X)` -> spans `(B·K, n, span, X)`."""
+    batch, _, num_kv, features = x.shape
+    first, last, before, after = band.frame_bounds()
+    # One copy moves the heads forward and pads the frame: (B, K, F, X).
+    parts = [x[:, first:last].permute(0, 2, 1, 3)]
+    if before:
+        parts.insert(0, x.new_zeros((batch, num_kv, before, features)))
+    if after:
+        parts.append(x.new_zeros((batch, num_kv, after, features)))
+    x = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0].contiguous()
+    n, b = band.num_blocks, band.block
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        # Consecutive spans overlap: a strided view reads each key block in
+        # place. Its backward (`as_strided`) is slow, so training copies.
+        return x.as_strided(
+            (batch * num_kv, n, band.span, features),
+            (band.frame_len * features, b * features, features, 1),
+        )
+    x = x.reshape(batch * num_kv, band.frame_blocks, b, features)
+    shifted = [x[:, d : d + n] for d in range(band.span_blocks)]
+    return torch.cat(shifted, dim=2).reshape(
+        batch * num_kv, n, band.span, features
+    )

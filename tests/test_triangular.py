@@ -1,0 +1,134 @@
+"""`triangular_attention` (causal self-attention a block of queries at a
+time) against the explicit path and the float64 reference, and the layer
+on that path against Keras's layer."""
+
+import math
+
+import numpy as np
+import pytest
+from test_banded import _gradients
+from test_banded import _heads
+from test_banded import _jit
+from test_banded import _padding
+from test_banded import _reference
+from util import assert_close
+from util import make_keras_twin
+from util import make_layer
+from util import reference
+from util import to_numpy
+
+from keras_mha import attention
+from keras_mha import dispatch
+from keras_mha import masks
+
+TOLERANCE = dict(atol=1e-5, rtol=1e-5)
+
+
+def _dense(q, k, v, query_mask, key_mask):
+    return _jit(_dense_eager)(q, k, v, query_mask, key_mask)
+
+
+def _dense_eager(q, k, v, query_mask, key_mask):
+    mask = masks.combine_masks(
+        masks.padding_mask(query_mask, key_mask),
+        masks.causal_window_mask(q.shape[1], k.shape[1], True, None),
+    )
+    out, _ = attention.dense_attention(
+        q, k, v, mask=mask, scale=1.0 / math.sqrt(q.shape[-1])
+    )
+    return out
+
+
+def _triangular(q, k, v, query_mask, key_mask, block_size):
+    def attend(q, k, v, query_mask, key_mask):
+        return attention.triangular_attention(
+            q, k, v, scale=1.0 / math.sqrt(q.shape[-1]),
+            query_mask=query_mask, key_mask=key_mask, block_size=block_size,
+        )
+
+    return _jit(attend)(q, k, v, query_mask, key_mask)
+
+
+class TestTriangular:
+    # 1037 = 16 blocks of 64 and a short one; 300 < one block of 512.
+    @pytest.mark.parametrize("length, block_size", [(1037, 64), (300, 512)])
+    def test_matches_reference(self, rng, length, block_size):
+        q, k, v = (_heads(rng, length, n) for n in (4, 2, 2))
+        padding = _padding(length, [length, length - 150])
+        out = to_numpy(_triangular(q, k, v, padding, padding, block_size))
+        expected = _reference(q, k, v, None, True, padding, padding, 0)
+        np.testing.assert_allclose(out, expected, **TOLERANCE)
+        # Padded queries have no key: exactly 0.
+        np.testing.assert_array_equal(out[1, length - 150:], 0.0)
+
+    def test_needs_equal_static_lengths(self, rng):
+        q = _heads(rng, 8, 2)
+        with pytest.raises(ValueError, match="key.shape"):
+            _triangular(q, q[:, :4], q[:, :4], None, None, 4)
+
+    @pytest.mark.training
+    def test_same_gradients_as_dense(self, rng):
+        length = 300
+        q, k, v = (_heads(rng, length, n) for n in (4, 2, 2))
+        cotangent = _heads(rng, length, 4)
+        padding = _padding(length, [length, 250])
+
+        def triangular_fn(q, k, v):
+            return _triangular(q, k, v, padding, padding, 64)
+
+        def dense_fn(q, k, v):
+            return _dense(q, k, v, padding, padding)
+
+        got = _gradients(triangular_fn, q, k, v, cotangent)
+        want = _gradients(dense_fn, q, k, v, cotangent)
+        for name, g, w in zip("qkv", got, want):
+            g = to_numpy(g)
+            assert np.isfinite(g).all(), name
+            np.testing.assert_allclose(g, to_numpy(w), err_msg=name,
+                                       **TOLERANCE)
+
+
+class TestLayerOnTheTriangle:
+    def test_rule(self):
+        common = dict(return_attention_scores=False, dropout_active=False,
+                      key_dim=4, value_dim=4, causal=True)
+        at = dispatch.TRIANGULAR_MIN_LENGTH
+        for backend, length, path in (
+            ("jax", at, dispatch.TRIANGULAR),
+            ("jax", at - 1, dispatch.FUSED),
+            ("torch", at, dispatch.FUSED),
+            ("tensorflow", at, dispatch.FUSED),
+        ):
+            assert dispatch.choose_path(
+                query_length=length, key_length=length, backend=backend,
+                **common,
+            ) == path, (backend, length)
+        for blocker in (dict(causal=False), dict(flash_attention=True),
+                        dict(has_attention_mask=True),
+                        dict(sliding_window=at // 8),
+                        dict(return_attention_scores=True)):
+            args = {**common, **blocker}
+            assert dispatch.choose_path(
+                query_length=at, key_length=at, backend="jax", **args,
+            ) != dispatch.TRIANGULAR, blocker
+        assert dispatch.choose_path(
+            query_length=at, key_length=at + 1, backend="jax", **common
+        ) == dispatch.FUSED  # cross-attention
+
+    def test_layer_matches_reference_and_keras(self, rng):
+        length = 600
+        x = rng.normal(size=(2, length, 8)).astype("float32")
+        mask = _padding(length, [length, 500])
+        layer = make_layer(x, x, num_heads=4, key_dim=4,
+                           num_key_value_heads=2)
+        expected, _ = reference(layer, x, x, use_causal_mask=True,
+                                query_mask=mask, value_mask=mask)
+        with dispatch.force_path(dispatch.TRIANGULAR):
+            out = layer(x, x, use_causal_mask=True, query_mask=mask,
+                        value_mask=mask)
+        assert_close(out, expected)
+        plain = make_layer(x, x, num_heads=2, key_dim=4)
+        with dispatch.force_path(dispatch.TRIANGULAR):
+            ours = plain(x, x, use_causal_mask=True)
+        keras_out = make_keras_twin(plain, x, x)(x, x, use_causal_mask=True)
+        assert_close(ours, to_numpy(keras_out))
