@@ -64,13 +64,18 @@ def write(cache, key, value, valid, index, rolling):
         [ops.cast(key, cache.dtype), ops.cast(value, cache.dtype), flag],
         axis=-1,
     )  # (B, T, K, H + V + 1)
-    slots = ops.arange(num_slots, dtype="int32")
     index = ops.cast(index, "int32")
-    if rolling:
-        # The newest new token landing in each slot (negative: none).
-        source = length - 1 - ops.mod(index + length - 1 - slots, num_slots)
-    else:
-        source = slots - index
+    if not rolling or length == 1:
+        # One contiguous run of slots: write it in place, O(T) not O(L).
+        # (A full cache's index is range-checked by the layer when it is a
+        # Python int; a rolling cache's single slot is `index mod L`.)
+        start = ops.mod(index, num_slots) if rolling else index
+        zero = ops.zeros((), "int32")
+        return ops.slice_update(cache, (zero, start, zero, zero), new)
+    # Several tokens in a ring: the newest one landing in each slot
+    # (negative: none), so a prompt longer than `L` keeps its last `L`.
+    slots = ops.arange(num_slots, dtype="int32")
+    source = length - 1 - ops.mod(index + length - 1 - slots, num_slots)
     written = ops.logical_and(source >= 0, source < length)  # (L,)
     gathered = ops.take(new, ops.clip(source, 0, length - 1), axis=1)
     return ops.where(written[None, :, None, None], gathered, cache)
