@@ -1,8 +1,8 @@
-"""The `keras-mha` command line: `demo`, `info`, `compare`, `test`.
+"""The `keras-mha` command line: `demo`, `info`, `compare`, `bench`, `test`.
 
 This module parses arguments and turns every failure into one line on stderr
 and an exit code; the work of each subcommand lives in its own module
-(`demo.py`, `info.py`, `compare.py`, `testrun.py`), imported only
+(`demo.py`, `info.py`, `compare.py`, `bench/`, `testrun.py`), imported only
 when that subcommand runs.
 
 A Keras process has exactly one backend, fixed when Keras is imported, so
@@ -196,6 +196,10 @@ def build_parser():
     compare.add_argument("--worker", action="store_true",
                          help=argparse.SUPPRESS)
 
+    from keras_mha import bench  # its parser only; the work is imported later
+
+    bench.add_parser(commands)
+
     test = commands.add_parser(
         "test",
         allow_abbrev=False,  # `--back` is someone's pytest flag, not ours
@@ -252,7 +256,7 @@ def _parse(argv):
     args.pytest_args = unknown + passthrough
     if args.command is None:
         raise CLIError(f"no command given; choose from demo, info, compare, "
-                       f"test (see {PROG} --help)")
+                       f"bench, test (see {PROG} --help)")
     return args
 
 
@@ -280,6 +284,10 @@ def _dispatch(args):
             matrix=args.matrix,
             json_path=args.json,
         )
+    if args.command == "bench":
+        from keras_mha import bench
+
+        return bench.run(args)
     if args.command == "test":
         from keras_mha import testrun
 

@@ -1,0 +1,251 @@
+"""`keras-mha bench`: speed and memory of our layer, Keras's and native peers.
+
+For each installed backend (tensorflow, jax, torch; NumPy has no compiler
+and no autodiff and is not benchmarked), T, window w and causal setting of
+`configs/bench.json`, with B=1, N=8, H=64 (E=512), it times the forward and
+forward+backward (gradient of 0.5*sum(y^2) w.r.t. the inputs and the
+weights) of:
+
+- `keras` - `keras.layers.MultiHeadAttention(sliding_window=w)`, whole layer;
+- `ours` - `keras_mha.MultiHeadAttention(sliding_window=w)`, whole layer;
+- `ours_core` - our attention core on projected q, k, v `(B, T, N, H)`:
+  `banded_attention` with a window, the fused path without;
+- `native` - torch `flex_attention` under `torch.compile` with a sliding-
+  window block mask (forward only: no CPU backward; the block-mask build is
+  timed separately), jax `jax.nn.dot_product_attention(is_causal=True,
+  local_window_size=(w-1, 0))`; attention core only.
+
+It also measures each backend's float32 matmul rate (the yardstick of the
+"% matmul" column and of the roofline), and, unless `--no-decode`, the
+per-token decode time of our layer with a rolling cache of w slots against
+a full-length cache. `--long` runs only the long-sequence case (T=262144,
+w=128, ours and ours_core, forward).
+
+Each backend runs in its own worker process (`worker.py`, `backends.py`)
+fed one unit at a time by the parent (`runner.py`), which enforces the
+wall-clock and memory limits; units predicted to pass the time or memory
+cap are skipped (`plan.py`); peak memory is the largest growth of the
+worker's resident memory during the timed calls (`memory.py`). Results are
+reported, never dropped: a unit that did not produce a time says why.
+
+Outputs: a table and the targets of the issues on the terminal, and
+`OUT/bench.json`, `OUT/bench.png` (`OUT/bench-long.json` for `--long`) and
+each worker's stderr in `OUT/worker-<backend>.log`. Exit code 1 if a unit
+ended in an error (a traceback is in the log), 130 if interrupted (what was
+measured is still written).
+"""
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+DEFAULT_OUT = "bench-out"
+
+
+def add_parser(commands):
+    """Registers `bench` on the `keras-mha` subcommand parsers."""
+    parser = commands.add_parser(
+        "bench",
+        help="speed and memory: ours vs keras vs native attention",
+        description="Times keras_mha.MultiHeadAttention, "
+        "keras.layers.MultiHeadAttention and native attention kernels "
+        "(forward, forward+backward, peak memory, decode) on each backend, "
+        "each in its own process. Matrix: configs/bench.json.",
+    )
+    parser.add_argument("--backends", metavar="A,B",
+                        help="comma-separated (default: the config's, where "
+                        "installed)")
+    parser.add_argument("--lengths", metavar="T,T",
+                        help="sequence lengths, e.g. 1024,4096 or 16k")
+    parser.add_argument("--windows", metavar="W,W",
+                        help="sliding windows, 'none' for no window")
+    parser.add_argument("--repeats", type=_positive_int, metavar="N",
+                        help="timed calls per unit (median)")
+    parser.add_argument("--time-cap", type=_positive_float, metavar="S",
+                        help="seconds one call may take (predicted from "
+                        "shorter T; default 60)")
+    parser.add_argument("--memory-cap", type=_positive_float, metavar="GIB",
+                        help="GiB one unit may add (default 16)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny matrix for smoke tests")
+    parser.add_argument("--long", action="store_true",
+                        help="the long-sequence case only: T=262144, "
+                        "w=128, ours (layer and core), forward")
+    parser.add_argument("--no-decode", action="store_true",
+                        help="skip the decode benchmark")
+    parser.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                        help=f"folder for bench.json and bench.png "
+                        f"(default {DEFAULT_OUT})")
+    parser.add_argument("--config", metavar="FILE",
+                        help="matrix (default: configs/bench.json)")
+    return parser
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {value}")
+    return value
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {value}")
+    return value
+
+
+def run(args):
+    """`keras-mha bench`: returns the exit code."""
+    from keras_mha.bench import plan
+    from keras_mha.cli import CLIError
+    from keras_mha.cli import backend_installed
+
+    if args.quick and args.long:
+        raise CLIError("--quick and --long exclude each other")
+    overrides = {
+        "lengths": plan.parse_list(args.lengths, "lengths", plan.length_item),
+        "windows": plan.parse_list(args.windows, "windows", plan.window_item),
+        "repeats": args.repeats,
+        "time_cap_s": args.time_cap,
+        "memory_cap_gib": args.memory_cap,
+    }
+    if args.backends is not None:
+        overrides["backends"] = plan.parse_list(args.backends, "backends",
+                                                str)
+    profile = "quick" if args.quick else "long" if args.long else None
+    config = plan.load_config(args.config, profile, overrides)
+    if args.no_decode or args.long:
+        config["decode"] = None
+    missing = [b for b in config["backends"] if not backend_installed(b)]
+    if args.backends is not None and missing:
+        raise CLIError(f"backend {missing[0]!r} is not installed "
+                       f'(pip install "keras-mha[{missing[0]}]")')
+    backends = [b for b in config["backends"] if b not in missing]
+    if not backends:
+        raise CLIError("none of the backends "
+                       f"{', '.join(config['backends'])} is installed")
+    config["backends"] = backends
+    from keras_mha.bench import report
+
+    out = report.check_output_folder(args.out)
+    return _bench(config, out, long_case=args.long, skipped=missing)
+
+
+def _bench(config, out, long_case, skipped):
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
+                               TextColumn, TimeElapsedColumn)
+
+    from keras_mha.bench import plan
+    from keras_mha.bench import report
+    from keras_mha.bench import runner
+
+    units = {b: plan.units_for(b, config, decode=config["decode"] is not None)
+             for b in config["backends"]}
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = max(console.width, 150)
+    errors = Console(stderr=True, highlight=False)
+    if skipped:
+        console.print(f"not installed, not benchmarked: {', '.join(skipped)}")
+    os.makedirs(out, exist_ok=True)
+    for backend in config["backends"]:  # each worker's stderr, appended
+        log = os.path.join(out, f"worker-{backend}.log")
+        if os.path.exists(log):
+            os.remove(log)
+    total = sum(len(u) for u in units.values())
+    done = []
+
+    def log_line(unit, result):
+        # Without a terminal there is no progress bar: one line per unit.
+        done.append(unit)
+        time_s = result.get("time_s")
+        outcome = (f"{time_s:.4g} s" if result["status"] == plan.OK
+                   else f"{result['status']}: {result.get('reason', '')}")
+        print(f"[{len(done)}/{total}] {runner.describe(unit)}: {outcome}",
+              file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    bench = runner.Runner(config, log_folder=out, on_result=(
+        None if errors.is_terminal else log_line))
+    json_path = os.path.join(out, "bench-long.json" if long_case
+                             else "bench.json")
+
+    def document(missing):
+        cells, decode, matmul = report.build_cells(config, units,
+                                                   bench.results, missing)
+        found = {
+            "what": "keras-mha bench" + (" --long" if long_case else ""),
+            "config": config,
+            "machine": _machine(),
+            "backends": config["backends"],
+            "backend_info": bench.backends,
+            "flops_definition": plan.FLOPS_DEFINITION,
+            "peak_memory": _memory_method(bench.backends),
+            "matmul": matmul,
+            "cells": cells,
+            "decode": decode,
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        if not long_case:
+            found["targets"] = report.targets(cells, config["backends"])
+        return found
+
+    interrupted = False
+    try:
+        with Progress(
+            TextColumn("{task.description:<48}"), BarColumn(),
+            MofNCompleteColumn(), TimeElapsedColumn(), console=errors,
+            disable=not errors.is_terminal,
+        ) as progress:
+            bench.progress = progress
+            tasks = {b: progress.add_task(b, total=len(units[b]))
+                     for b in units}
+            for backend in units:
+                bench.run({backend: units[backend]}, tasks)
+                # What is done so far survives a crash of this process.
+                report.write_json(json_path, document("not run yet"))
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bench.close()
+    final = document("interrupted")
+    report.print_report(console, final)
+    report.write_json(json_path, final)
+    console.print(f"wrote {json_path}")
+    if not long_case:
+        png_path = os.path.join(out, "bench.png")
+        console.print(report.write_plot(png_path, final)
+                      or f"wrote {png_path}")
+    failed = sum(r.get("status") == plan.ERROR for r in bench.results.values())
+    if failed:
+        console.print(f"{failed} unit(s) ended in an error; tracebacks in "
+                      f"{os.path.join(out, 'worker-<backend>.log')}")
+    console.print(f"total {final['seconds']:.0f} s")
+    if interrupted:
+        return 130
+    return 1 if failed else 0
+
+
+def _machine():
+    return {"platform": platform.platform(), "processor":
+            platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def _memory_method(backends):
+    from keras_mha.bench import memory
+
+    methods = sorted({info.get("memory_method") for info in backends.values()
+                      if info.get("memory_method")})
+    return {"method": ", ".join(methods) or "unknown",
+            "description": " ".join(memory.__doc__.split())}

@@ -1,0 +1,311 @@
+"""How each backend compiles, differentiates and times a call.
+
+Every method that builds something to time returns `[(compiler, fn)]`:
+zero-argument functions to try in order, the first that runs is timed.
+Only TensorFlow has two: `tf.function(jit_compile=True)`, then plain
+`tf.function` where XLA fails or does not finish its first call in time
+(the parent abandons it, see `runner.py`). JAX runs under `jax.jit`, torch
+eagerly (`flex_attention` under `torch.compile`).
+
+Forward+backward is the gradient of `0.5 * sum(y^2)` with respect to every
+input (and, for a layer, every trainable weight), with the backend's own
+autodiff: `jax.grad` under `jax.jit`, `tf.GradientTape` under
+`tf.function`, `torch.autograd.grad`.
+"""
+
+import statistics
+import time
+
+# From this T on, flex_attention's block masks are built compiled: the
+# uncompiled build materializes (T, T) int64 index tensors (2 GiB each at
+# T=16384).
+FLEX_COMPILED_MASK_LENGTH = 8192
+
+
+def get(name):
+    """The backend object for Keras backend `name`, or `None`."""
+    backend = {"jax": Jax, "tensorflow": TensorFlow, "torch": Torch}.get(name)
+    return None if backend is None else backend()
+
+
+class Backend:
+    name = None
+    compiler = None
+
+    def tensor(self, array):
+        import keras
+
+        return keras.ops.convert_to_tensor(array)
+
+    def block(self, result):
+        """Waits until `result` is computed (JAX dispatches asynchronously)."""
+        return result
+
+
+class Jax(Backend):
+    name = "jax"
+    compiler = "jax.jit"
+
+    def __init__(self):
+        import jax
+
+        self.jax = jax
+
+    def block(self, result):
+        return self.jax.block_until_ready(result)
+
+    def core(self, fn, args, mode):
+        """`fn(*args)`, or its gradient w.r.t. every argument."""
+        jax = self.jax
+        if mode == "forward":
+            compiled = jax.jit(fn)
+        else:
+
+            def loss(*inputs):
+                return 0.5 * jax.numpy.sum(jax.numpy.square(fn(*inputs)))
+
+            compiled = jax.jit(
+                jax.grad(loss, argnums=tuple(range(len(args))))
+            )
+        return [(self.compiler, lambda: compiled(*args))]
+
+    def layer(self, layer, x, causal, mode):
+        trainable = [v.value for v in layer.trainable_variables]
+        frozen = [v.value for v in layer.non_trainable_variables]
+
+        def call(weights, inputs):
+            out, _ = layer.stateless_call(
+                weights, frozen, inputs, inputs, use_causal_mask=causal
+            )
+            return out
+
+        return self.core(call, (trainable, x), mode)
+
+    def native(self, q, k, v, window, causal, scale, mode):
+        """`jax.nn.dot_product_attention` with a local window."""
+        local = None
+        if window is not None:
+            # `(left, right)` keys besides the query itself; ours is
+            # |p - j| < w: w - 1 on each side, 0 on the right when causal.
+            local = (window - 1, 0 if causal else window - 1)
+
+        def attend(q, k, v):
+            return self.jax.nn.dot_product_attention(
+                q, k, v, scale=scale, is_causal=causal,
+                local_window_size=local,
+            )
+
+        return self.core(attend, (q, k, v), mode), {}
+
+    def matmul(self, a, b):
+        compiled = self.jax.jit(self.jax.numpy.matmul)
+        return lambda: compiled(a, b)
+
+    def decode(self, layer, x, state):
+        trainable = [v.value for v in layer.trainable_variables]
+        frozen = [v.value for v in layer.non_trainable_variables]
+
+        def step(weights, token, cache, index):
+            (out, new_cache), _ = layer.stateless_call(
+                weights, frozen, token, token, use_causal_mask=True,
+                cache=cache, cache_update_index=index,
+            )
+            return out, new_cache
+
+        # The cache is threaded through the steps and donated, as a decode
+        # loop does, so XLA may update it in place.
+        compiled = self.jax.jit(step, donate_argnums=(2,))
+
+        def run():
+            out, state["cache"] = compiled(trainable, x, state["cache"],
+                                          state["index"])
+            return out
+
+        return [(self.compiler, run)]
+
+    def index(self, position):
+        return self.jax.numpy.asarray(position, dtype="int32")
+
+
+class TensorFlow(Backend):
+    name = "tensorflow"
+    compiler = "tf.function(jit_compile=True)"
+
+    def __init__(self):
+        import tensorflow as tf
+
+        self.tf = tf
+
+    def _candidates(self, make):
+        return [(self.compiler, make(True)),
+                ("tf.function (no XLA)", make(False))]
+
+    def _compile(self, call, args, weights, mode):
+        tf = self.tf
+
+        def make(jit):
+            if mode == "forward":
+                compiled = tf.function(call, jit_compile=jit)
+            else:
+
+                def gradients(*inputs):
+                    with tf.GradientTape() as tape:
+                        for tensor in inputs:
+                            tape.watch(tensor)
+                        loss = 0.5 * tf.reduce_sum(tf.square(call(*inputs)))
+                    return tape.gradient(loss, list(inputs) + list(weights))
+
+                compiled = tf.function(gradients, jit_compile=jit)
+            return lambda: compiled(*args)
+
+        return self._candidates(make)
+
+    def core(self, fn, args, mode):
+        return self._compile(fn, args, [], mode)
+
+    def layer(self, layer, x, causal, mode):
+        def call(inputs):
+            return layer(inputs, inputs, use_causal_mask=causal)
+
+        return self._compile(call, (x,), layer.trainable_weights, mode)
+
+    def matmul(self, a, b):
+        compiled = self.tf.function(self.tf.matmul, jit_compile=True)
+        return lambda: compiled(a, b)
+
+    def decode(self, layer, x, state):
+        def make(jit):
+            def step(token, cache, index):
+                return layer(token, token, use_causal_mask=True, cache=cache,
+                             cache_update_index=index)
+
+            compiled = self.tf.function(step, jit_compile=jit)
+
+            def run():
+                out, state["cache"] = compiled(x, state["cache"],
+                                              state["index"])
+                return out
+
+            return run
+
+        return self._candidates(make)
+
+    def index(self, position):
+        return self.tf.constant(position, dtype="int32")
+
+
+class Torch(Backend):
+    name = "torch"
+    compiler = "eager"
+
+    def __init__(self):
+        import torch
+        import torch._dynamo
+
+        self.torch = torch
+        # A compilation per length must not fall back to eager.
+        torch._dynamo.config.cache_size_limit = 256
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = 256
+        self._flex = None
+        self._window = None
+
+    def core(self, fn, args, mode, weights=()):
+        torch = self.torch
+        if mode == "forward":
+
+            def run():
+                with torch.no_grad():
+                    return fn(*args)
+
+            return [(self.compiler, run)]
+        inputs = [a.detach().requires_grad_(True) for a in args]
+        sources = inputs + list(weights)
+
+        def run():
+            loss = 0.5 * torch.sum(torch.square(fn(*inputs)))
+            return torch.autograd.grad(loss, sources)
+
+        return [(self.compiler, run)]
+
+    def layer(self, layer, x, causal, mode):
+        def call(inputs):
+            return layer(inputs, inputs, use_causal_mask=causal)
+
+        weights = [v.value for v in layer.trainable_weights]
+        return self.core(call, (x,), mode, weights)
+
+    def native(self, q, k, v, window, causal, scale, mode):
+        """Compiled `flex_attention` with a sliding-window block mask.
+
+        `q, k, v`: `(B, N, T, H)`. Forward only (the caller reports the
+        backward on CPU as n/a). Returns `(candidates, info)`, `info` with
+        the block mask's build times: the first build (compilation
+        included) and the median of three more. The window is a tensor the
+        mask reads, not a constant, so one compilation per T serves every
+        window.
+        """
+        torch = self.torch
+        from torch.nn.attention import flex_attention as flex
+
+        if self._flex is None:
+            self._flex = torch.compile(flex.flex_attention, dynamic=False)
+            self._window = torch.tensor(1, dtype=torch.int64)
+        current = self._window
+
+        def causal_mask(b, h, q_idx, kv_idx):  # True = may attend, as ours
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < current)
+
+        def window_mask(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx < current) & (kv_idx - q_idx < current)
+
+        t_len = q.shape[2]
+        info = {}
+        block_mask = None  # no mask at all: bidirectional without window
+        if causal or window is not None:
+            # No window is a window of T: the plain causal mask.
+            current.fill_(t_len if window is None else window)
+            compiled = t_len >= FLEX_COMPILED_MASK_LENGTH
+            info["block_mask_compiled"] = compiled
+
+            def build():
+                return flex.create_block_mask(
+                    causal_mask if causal else window_mask, None, None,
+                    t_len, t_len, device="cpu", _compile=compiled,
+                )
+
+            started = time.perf_counter()
+            block_mask = build()
+            info["block_mask_first_s"] = time.perf_counter() - started
+            times = []
+            for _ in range(3):
+                started = time.perf_counter()
+                block_mask = build()
+                times.append(time.perf_counter() - started)
+            info["block_mask_s"] = statistics.median(times)
+        attend = self._flex
+
+        def run():
+            with torch.no_grad():
+                return attend(q, k, v, block_mask=block_mask, scale=scale)
+
+        return [("torch.compile", run)], info
+
+    def matmul(self, a, b):
+        return lambda: self.torch.matmul(a, b)
+
+    def decode(self, layer, x, state):
+        torch = self.torch
+
+        def run():
+            with torch.no_grad():
+                out, state["cache"] = layer(
+                    x, x, use_causal_mask=True, cache=state["cache"],
+                    cache_update_index=state["index"],
+                )
+            return out
+
+        return [(self.compiler, run)]
+
+    def index(self, position):
+        return self.torch.tensor(position, dtype=self.torch.int32)

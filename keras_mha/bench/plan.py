@@ -1,0 +1,426 @@
+"""What `keras-mha bench` measures: the configuration, the units, the FLOPs
+and the caps. Nothing here touches a backend.
+
+A *cell* is one (backend, T, w, causal, implementation); it is measured in
+one or two *units*, one per mode (`forward`, `forward_backward`). Each unit
+ends with a status: `ok`, `skipped`, `out of memory`, `timed out`, `error`,
+`n/a` or `not run` (interrupted), and every one but `ok` carries a reason.
+Units are never dropped.
+
+Caps (`cap_reason`): a unit is skipped without running when its predicted
+time per call exceeds `time_cap_s` or its predicted peak memory exceeds the
+memory cap. Predictions extrapolate the same series measured at the longest
+shorter T, `x * (T / T_prev) ** e`, `e = 2` for dense algorithms and `e = 1`
+for banded ones; before any measurement the memory is the analytic size of
+the scores, `B*N*T*S*4 bytes * dense_bytes_factor` (banded: `S` = the
+band's span), and the time unknown. A series that was skipped, ran out of
+memory or timed out at some T is skipped at every longer T.
+"""
+
+import json
+import os
+
+import numpy as np
+
+from keras_mha.cli import CLIError
+
+BENCH_BACKENDS = ("tensorflow", "jax", "torch")
+MODES = ("forward", "forward_backward")
+# `native` is each backend's own attention kernel, where it has one.
+NATIVE = {"torch": "flex_attention", "jax": "jax_dpa"}
+IMPLEMENTATIONS = ("keras", "ours", "ours_core", "native")
+# Whole layer (projections + attention) or attention core (projected q,k,v).
+SCOPE = {"keras": "layer", "ours": "layer", "ours_core": "core",
+         "flex_attention": "core", "jax_dpa": "core"}
+LABELS = {"keras": "keras", "ours": "ours", "ours_core": "ours core",
+          "flex_attention": "flex_attention", "jax_dpa": "jax.nn.dpa"}
+
+OK = "ok"
+SKIPPED = "skipped"
+OUT_OF_MEMORY = "out of memory"
+TIMED_OUT = "timed out"
+ERROR = "error"
+NOT_AVAILABLE = "n/a"
+NOT_RUN = "not run"
+# A unit in one of these states makes the same unit at longer T skip too.
+GAVE_UP = (SKIPPED, OUT_OF_MEMORY, TIMED_OUT)
+
+FLOPS_DEFINITION = (
+    "useful FLOPs, forward: attention core = 4*B*N*H*pairs (QK^T and PV, "
+    "2*H each per allowed (query, key) pair; pairs = sum over queries of "
+    "the number of keys the causal/window mask allows); whole layer = core "
+    "+ 4 projections of 2*B*T*E*(N*H) each (query, key, value, output). "
+    "forward+backward counts 3x the forward FLOPs (each matmul has two "
+    "matmuls in its backward). Masked-out pairs, softmax and padding are "
+    "not counted. Rate = useful FLOPs / median time; '% of matmul' = rate / "
+    "the same backend's float32 matmul rate in the same run; roofline = "
+    "whole-layer useful FLOPs / matmul rate."
+)
+
+_DEFAULTS = {
+    "backends": list(BENCH_BACKENDS),
+    "batch": 1,
+    "num_heads": 8,
+    "key_dim": 64,
+    "lengths": [1024, 4096, 16384, 65536],
+    "windows": [None, 128, 512],
+    "causal": [True],
+    "implementations": list(IMPLEMENTATIONS),
+    "modes": list(MODES),
+    "repeats": 5,
+    "time_cap_s": 60.0,
+    "compile_allowance_s": 180.0,
+    "memory_cap_gib": 16.0,
+    "dense_bytes_factor": 3.0,
+    "matmul_size": 2048,
+    "matmul_repeats": 10,
+    "decode": {"window": 512, "positions": [1024, 4096, 16384, 65536],
+               "full_length": 65537, "repeats": 10},
+}
+_PROFILES = ("quick", "long")
+
+
+# ------------------------------------------------------------ configuration
+
+
+def default_config_path():
+    """`configs/bench.json` of the current folder, else of the source tree."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for root in (os.getcwd(), os.path.dirname(here)):
+        path = os.path.join(root, "configs", "bench.json")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def load_config(path=None, profile=None, overrides=None):
+    """The checked configuration: the file (`configs/bench.json` by
+    default; fields it leaves out take `_DEFAULTS`), then the profile
+    (`quick` or `long`, an object of the file), then command-line
+    overrides."""
+    path = path or default_config_path()
+    if path is None:
+        raise CLIError("no configs/bench.json here; pass --config FILE")
+    try:
+        with open(path, encoding="utf-8") as file:
+            given = json.load(file)
+    except OSError as error:
+        raise CLIError(f"cannot read config {path}: {error.strerror}")
+    except ValueError as error:
+        raise CLIError(f"config {path} is not valid JSON: {error}")
+    where = f"config {path}"
+    if not isinstance(given, dict):
+        raise CLIError(f"{where}: not a JSON object")
+    unknown = sorted(set(given) - set(_DEFAULTS) - set(_PROFILES))
+    if unknown:
+        raise CLIError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    config = _merge(_DEFAULTS, {k: v for k, v in given.items()
+                                if k not in _PROFILES})
+    if profile is not None:
+        changes = given.get(profile)
+        if not isinstance(changes, dict):
+            raise CLIError(f"{where}: no {profile!r} object for --{profile}")
+        unknown = sorted(set(changes) - set(_DEFAULTS))
+        if unknown:
+            raise CLIError(f"{where}, {profile}: unknown field(s) "
+                           f"{', '.join(unknown)}")
+        config = _merge(config, changes)
+    config = _merge(config, {k: v for k, v in (overrides or {}).items()
+                             if v is not None})
+    _check(config, where)
+    config["source"] = os.path.abspath(path)
+    config["profile"] = profile or "default"
+    return config
+
+
+def _merge(base, changes):
+    merged = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merged[key] = {**base[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def _positive_int(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive_number(value):
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and value > 0)
+
+
+def _check(config, where):
+    def fail(message):
+        raise CLIError(f"{where}: {message}")
+
+    for name in ("batch", "num_heads", "key_dim", "repeats", "matmul_size",
+                 "matmul_repeats"):
+        if not _positive_int(config[name]):
+            fail(f"{name} must be a positive integer, got {config[name]!r}")
+    for name in ("time_cap_s", "compile_allowance_s", "memory_cap_gib",
+                 "dense_bytes_factor"):
+        if not _positive_number(config[name]):
+            fail(f"{name} must be a positive number, got {config[name]!r}")
+    backends = config["backends"]
+    if not isinstance(backends, list) or not backends:
+        fail("backends must be a non-empty list")
+    for backend in backends:
+        if backend == "numpy":
+            fail("the numpy backend is not benchmarked (no compiler, no "
+                 f"autodiff); choose from {', '.join(BENCH_BACKENDS)}")
+        if backend not in BENCH_BACKENDS:
+            fail(f"unknown backend {backend!r}; choose from "
+                 f"{', '.join(BENCH_BACKENDS)}")
+    lengths = config["lengths"]
+    if not isinstance(lengths, list) or not lengths or not all(
+        _positive_int(t) for t in lengths
+    ):
+        fail(f"lengths must be a list of positive integers, got {lengths!r}")
+    windows = config["windows"]
+    if not isinstance(windows, list) or not windows or not all(
+        w is None or _positive_int(w) for w in windows
+    ):
+        fail(f"windows must be a list of positive integers or null, got "
+             f"{windows!r}")
+    causal = config["causal"]
+    if not isinstance(causal, list) or not causal or not all(
+        isinstance(c, bool) for c in causal
+    ):
+        fail(f"causal must be a list of true/false, got {causal!r}")
+    for name, allowed in (("implementations", IMPLEMENTATIONS),
+                          ("modes", MODES)):
+        values = config[name]
+        if not isinstance(values, list) or not values or not set(
+            values
+        ) <= set(allowed):
+            fail(f"{name} must be a list drawn from {', '.join(allowed)}, "
+                 f"got {values!r}")
+    decode = config["decode"]
+    if decode is not None:
+        if not isinstance(decode, dict) or set(decode) != {
+            "window", "positions", "full_length", "repeats"
+        }:
+            fail("decode must be null or an object with window, positions, "
+                 "full_length and repeats")
+        if not (_positive_int(decode["window"])
+                and _positive_int(decode["repeats"])
+                and _positive_int(decode["full_length"])
+                and isinstance(decode["positions"], list)
+                and decode["positions"]
+                and all(_positive_int(p) for p in decode["positions"])):
+            fail("decode: window, repeats, full_length must be positive "
+                 "integers and positions a list of them")
+        if max(decode["positions"]) >= decode["full_length"]:
+            fail("decode: every position must be < full_length (the full "
+                 "cache needs a slot for it)")
+    # Keep the order given, drop repeats.
+    for name in ("backends", "lengths", "windows", "causal",
+                 "implementations", "modes"):
+        config[name] = list(dict.fromkeys(config[name]))
+    config["lengths"] = sorted(config["lengths"])  # caps extrapolate upwards
+
+
+def parse_list(text, what, item):
+    """`"1024,4096"` -> `[1024, 4096]` through `item`, one clear error."""
+    if text is None:
+        return None
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            values.append(item(part))
+        except ValueError:
+            raise CLIError(f"--{what}: cannot read {part!r}")
+    if not values:
+        raise CLIError(f"--{what}: nothing given")
+    return values
+
+
+def window_item(text):
+    """`none` -> `None`, else a positive integer."""
+    if text.lower() in ("none", "null", "off"):
+        return None
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def length_item(text):
+    text = text.lower()
+    scale = 1
+    if text.endswith("k"):
+        text, scale = text[:-1], 1024
+    value = int(text) * scale
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+# -------------------------------------------------------------------- units
+
+
+def implementations_for(backend, config):
+    """The implementations measured on `backend`, in the config's order."""
+    names = []
+    for name in config["implementations"]:
+        if name == "native":
+            if backend in NATIVE:
+                names.append(NATIVE[backend])
+        else:
+            names.append(name)
+    return names
+
+
+def unit_id(unit):
+    if unit["kind"] == "matmul":
+        return f"{unit['backend']}|matmul {unit['size']}"
+    if unit["kind"] == "decode":
+        return (f"{unit['backend']}|decode {unit['cache']} "
+                f"p={unit['position']}")
+    causal = "causal" if unit["causal"] else "bidirectional"
+    return (f"{unit['backend']}|T={unit['T']}|w={unit['w']}|{causal}|"
+            f"{unit['impl']}|{unit['mode']}")
+
+
+def series_key(unit):
+    """Units of one series differ only in T; caps extrapolate along it."""
+    return (unit["backend"], unit["impl"], unit["w"], unit["causal"],
+            unit["mode"])
+
+
+def units_for(backend, config, decode=True):
+    """Every unit of one backend, in the order a worker runs them.
+
+    The matmul rate comes first; attention units follow in increasing T (so
+    each unit's caps can be predicted from the shorter ones), the two modes
+    of a cell next to each other (they share one built layer); decode last.
+    """
+    units = [{"kind": "matmul", "backend": backend,
+              "size": config["matmul_size"],
+              "repeats": config["matmul_repeats"]}]
+    for length in config["lengths"]:
+        for window in config["windows"]:
+            for causal in config["causal"]:
+                for impl in implementations_for(backend, config):
+                    for mode in config["modes"]:
+                        units.append({
+                            "kind": "attention", "backend": backend,
+                            "T": length, "w": window, "causal": causal,
+                            "impl": impl, "mode": mode,
+                        })
+    if decode and config["decode"] is not None:
+        spec = config["decode"]
+        for cache in ("rolling", "full"):
+            for position in spec["positions"]:
+                units.append({"kind": "decode", "backend": backend,
+                              "cache": cache, "position": position})
+    for unit in units:
+        unit["id"] = unit_id(unit)
+    return units
+
+
+# -------------------------------------------------------------------- FLOPs
+
+
+def allowed_pairs(t_len, s_len, window, causal):
+    """Sum over queries of the number of keys the mask allows (no cache).
+
+    Query `t` may see keys `max(0, t - w + 1) .. min(S - 1, t + w - 1)`,
+    the upper end `t` when causal (see DESIGN.md, "Masks").
+    """
+    t = np.arange(t_len, dtype=np.int64)
+    low = np.zeros_like(t)
+    high = np.full_like(t, s_len - 1)
+    if causal:
+        high = np.minimum(high, t)
+    if window is not None:
+        low = np.maximum(low, t - window + 1)
+        high = np.minimum(high, t + window - 1)
+    return int(np.maximum(high - low + 1, 0).sum())
+
+
+def flops(config, t_len, window, causal):
+    """Useful forward FLOPs: `{"core", "projections", "layer", "pairs"}`."""
+    batch, heads, head = config["batch"], config["num_heads"], \
+        config["key_dim"]
+    features = heads * head  # E
+    pairs = allowed_pairs(t_len, t_len, window, causal)
+    core = 4 * batch * heads * head * pairs
+    projections = 4 * 2 * batch * t_len * features * heads * head
+    return {"pairs": pairs, "core": core, "projections": projections,
+            "layer": core + projections}
+
+
+def unit_flops(config, unit):
+    """Useful FLOPs of one call of an attention unit (see FLOPS_DEFINITION)."""
+    counts = flops(config, unit["T"], unit["w"], unit["causal"])
+    useful = counts["layer" if SCOPE[unit["impl"]] == "layer" else "core"]
+    return useful * (3 if unit["mode"] == "forward_backward" else 1)
+
+
+# --------------------------------------------------------------------- caps
+
+
+def dense_bytes(config, t_len):
+    """The `(B, N, T, S)` float32 scores, times `dense_bytes_factor`."""
+    return (config["batch"] * config["num_heads"] * t_len * t_len * 4
+            * config["dense_bytes_factor"])
+
+
+def banded_bytes(config, t_len, window, causal, block):
+    """The banded path's `(B, N, T, span)` float32 scores, times the factor."""
+    before = -(-(window - 1) // block)
+    span = (before + 1 + (0 if causal else before)) * block
+    padded = -(-t_len // block) * block
+    return (config["batch"] * config["num_heads"] * padded * span * 4
+            * config["dense_bytes_factor"])
+
+
+def estimate(unit, config, complexity, history, analytic_bytes=None):
+    """Predicted `(seconds, bytes, previous)` of one call of `unit`.
+
+    `history` holds the results of the same series (`series_key`) at shorter
+    T. From the longest one measured, time and peak memory are extrapolated
+    as `x_prev * (T / T_prev) ** e`, with `e = 2` for dense algorithms
+    (O(T*S)) and `e = 1` for banded ones (O(T*w)). Without a measurement,
+    the time is unknown (`None`) and the memory is `analytic_bytes`.
+    `previous` is the latest shorter unit, if any.
+    """
+    exponent = 1 if complexity == "banded" else 2
+    shorter = sorted((r for r in history if r["T"] < unit["T"]),
+                     key=lambda r: r["T"])
+    previous = shorter[-1] if shorter else None
+    measured = [r for r in shorter if r.get("status") == OK]
+    if not measured:
+        return None, analytic_bytes, previous
+    last = measured[-1]
+    growth = (unit["T"] / last["T"]) ** exponent
+    seconds = last["time_s"] * growth
+    peak = max(last.get("peak_bytes") or 0, 0)
+    predicted = peak * growth
+    return seconds, predicted, previous
+
+
+def cap_reason(unit, config, complexity, history, analytic_bytes=None,
+               memory_cap_bytes=None):
+    """Why `unit` is skipped without running, or `None` to run it."""
+    seconds, predicted, previous = estimate(
+        unit, config, complexity, history, analytic_bytes
+    )
+    if previous is not None and previous.get("status") in GAVE_UP:
+        return (f"{previous['status']} at T={previous['T']} already "
+                f"({previous.get('reason', '')})").replace(" ()", "")
+    if seconds is not None and seconds > config["time_cap_s"]:
+        return (f"over time cap (est. {seconds:.0f} s > "
+                f"{config['time_cap_s']:g} s)")
+    cap = memory_cap_bytes or config["memory_cap_gib"] * 2**30
+    if predicted is not None and predicted > cap:
+        return (f"over memory cap (est. {predicted / 2**30:.1f} GiB > "
+                f"{cap / 2**30:.1f} GiB)")
+    return None
