@@ -1,8 +1,17 @@
 """keras-mha: multi-head attention for Keras 3 on every backend."""
 
+from keras_mha.convert import from_keras
+from keras_mha.convert import from_torch
+from keras_mha.distribution import layout_map
 from keras_mha.layer import GroupedQueryAttention
 from keras_mha.layer import MultiHeadAttention
 
 __version__ = "0.1.0"
 
-__all__ = ["GroupedQueryAttention", "MultiHeadAttention"]
+__all__ = [
+    "GroupedQueryAttention",
+    "MultiHeadAttention",
+    "from_keras",
+    "from_torch",
+    "layout_map",
+]
