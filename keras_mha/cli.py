@@ -168,15 +168,15 @@ def build_parser():
                         help="use_causal_mask=True")
     config.add_argument("--attention-mask", action="store_true",
                         help="an attention_mask or padding mask is given")
-    config.add_argument("--key-dim", type=_positive_int,
+    config.add_argument("--key-dim", type=positive_int,
                         metavar="H", help="key_dim (default 64)")
-    config.add_argument("--value-dim", type=_positive_int, metavar="V",
+    config.add_argument("--value-dim", type=positive_int, metavar="V",
                         help="value_dim (default: key_dim)")
-    config.add_argument("--sliding-window", type=_positive_int, metavar="W",
+    config.add_argument("--sliding-window", type=positive_int, metavar="W",
                         help="sliding_window")
-    config.add_argument("--query-length", type=_positive_int,
+    config.add_argument("--query-length", type=positive_int,
                         metavar="T", help="query length (default 128)")
-    config.add_argument("--key-length", type=_positive_int, metavar="S",
+    config.add_argument("--key-length", type=positive_int, metavar="S",
                         help="key/value length (default: query length)")
 
     compare = commands.add_parser(
@@ -214,20 +214,42 @@ def build_parser():
                       "numpy)")
     # Two at once: each backend's run is mostly one busy thread (JAX spends
     # it compiling), so two overlap well on a 2-core machine.
-    test.add_argument("-j", "--jobs", type=_positive_int, default=2,
+    test.add_argument("-j", "--jobs", type=positive_int, default=2,
                       metavar="N", help="backends run at once (default 2)")
 
     return parser
 
 
-def _positive_int(text):
+def _positive(convert, kind):
+    """An argparse `type`: `convert(text)`, which must be > 0."""
+
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {kind}: {text!r}")
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive: {value}")
+        return value
+
+    return parse
+
+
+positive_int = _positive(int, "an integer")
+positive_float = _positive(float, "a number")
+
+
+def read_json(path, what):
+    """The JSON document at `path`; a `CLIError` naming `what` otherwise."""
+    import json
+
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {value}")
-    return value
+        with open(path, encoding="utf-8") as file:
+            return json.load(file)
+    except OSError as error:
+        raise CLIError(f"cannot read {what} {path}: {error.strerror}")
+    except ValueError as error:
+        raise CLIError(f"{what} {path} is not valid JSON: {error}")
 
 
 def _version():

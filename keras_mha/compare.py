@@ -111,14 +111,9 @@ def default_matrix():
 def load_matrix(path):
     """The cases of a matrix file, defaults filled in and checked."""
     from keras_mha.cli import CLIError
+    from keras_mha.cli import read_json
 
-    try:
-        with open(path, encoding="utf-8") as file:
-            matrix = json.load(file)
-    except OSError as error:
-        raise CLIError(f"cannot read matrix {path}: {error.strerror}")
-    except ValueError as error:
-        raise CLIError(f"matrix {path} is not valid JSON: {error}")
+    matrix = read_json(path, "matrix")
     if not isinstance(matrix, dict) or not isinstance(
         matrix.get("cases"), list
     ):

@@ -1,5 +1,6 @@
 """`keras_mha.MultiHeadAttention`: projections around the attention paths."""
 
+import functools
 import math
 import numbers
 import string
@@ -669,10 +670,7 @@ class MultiHeadAttention(keras.layers.Layer):
             return context, None
         dropout = None
         if bool(training) and self._dropout > 0.0:
-
-            def dropout(weights):
-                return self._dropout_layer(weights, training=training)
-
+            dropout = functools.partial(self._dropout_layer, training=training)
         return attention_lib.dense_attention(
             q, k, v, mask=mask, scale=self._scale, dropout=dropout
         )

@@ -35,7 +35,6 @@ ended in an error (a traceback is in the log), 130 if interrupted (what was
 measured is still written).
 """
 
-import argparse
 import os
 import platform
 import sys
@@ -46,6 +45,8 @@ DEFAULT_OUT = "bench-out"
 
 def add_parser(commands):
     """Registers `bench` on the `keras-mha` subcommand parsers."""
+    from keras_mha import cli
+
     parser = commands.add_parser(
         "bench",
         help="speed and memory: ours vs keras vs native attention",
@@ -61,12 +62,12 @@ def add_parser(commands):
                         help="sequence lengths, e.g. 1024,4096 or 16k")
     parser.add_argument("--windows", metavar="W,W",
                         help="sliding windows, 'none' for no window")
-    parser.add_argument("--repeats", type=_positive_int, metavar="N",
+    parser.add_argument("--repeats", type=cli.positive_int, metavar="N",
                         help="timed calls per unit (median)")
-    parser.add_argument("--time-cap", type=_positive_float, metavar="S",
+    parser.add_argument("--time-cap", type=cli.positive_float, metavar="S",
                         help="seconds one call may take (predicted from "
                         "shorter T; default 60)")
-    parser.add_argument("--memory-cap", type=_positive_float, metavar="GIB",
+    parser.add_argument("--memory-cap", type=cli.positive_float, metavar="GIB",
                         help="GiB one unit may add (default 16)")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny matrix for smoke tests")
@@ -81,26 +82,6 @@ def add_parser(commands):
     parser.add_argument("--config", metavar="FILE",
                         help="matrix (default: configs/bench.json)")
     return parser
-
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {value}")
-    return value
-
-
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {value}")
-    return value
 
 
 def run(args):

@@ -17,12 +17,12 @@ band's span), and the time unknown. A series that was skipped, ran out of
 memory or timed out at some T is skipped at every longer T.
 """
 
-import json
 import os
 
 import numpy as np
 
 from keras_mha.cli import CLIError
+from keras_mha.cli import read_json
 
 BENCH_BACKENDS = ("tensorflow", "jax", "torch")
 MODES = ("forward", "forward_backward")
@@ -101,13 +101,7 @@ def load_config(path=None, profile=None, overrides=None):
     path = path or default_config_path()
     if path is None:
         raise CLIError("no configs/bench.json here; pass --config FILE")
-    try:
-        with open(path, encoding="utf-8") as file:
-            given = json.load(file)
-    except OSError as error:
-        raise CLIError(f"cannot read config {path}: {error.strerror}")
-    except ValueError as error:
-        raise CLIError(f"config {path} is not valid JSON: {error}")
+    given = read_json(path, "config")
     where = f"config {path}"
     if not isinstance(given, dict):
         raise CLIError(f"{where}: not a JSON object")
