@@ -3,7 +3,7 @@
 from keras_mha.convert import from_keras
 from keras_mha.convert import from_torch
 from keras_mha.distribution import layout_map
-from keras_mha.layer import GroupedQueryAttention
+from keras_mha.grouped import GroupedQueryAttention
 from keras_mha.layer import MultiHeadAttention
 
 __version__ = "0.1.0"

@@ -21,8 +21,8 @@ import sys
 import keras
 import numpy as np
 
-from keras_mha import layer as layer_lib
-from keras_mha.layer import GroupedQueryAttention
+from keras_mha import checks
+from keras_mha.grouped import GroupedQueryAttention
 from keras_mha.layer import MultiHeadAttention
 
 _PACKED_KEYS = ("in_proj_weight",)
@@ -84,7 +84,7 @@ def from_torch(module_or_state_dict, **layer_kwargs):
         state = module.state_dict()
     state = {name: _to_numpy(tensor) for name, tensor in state.items()}
     num_heads = layer_kwargs["num_heads"]
-    layer_lib._check_positive_int("num_heads", num_heads)
+    checks.positive_int("num_heads", num_heads)
     dims = _check_state_dict(state, num_heads)
     embed_dim, key_features, value_features = dims
     head_dim = embed_dim // num_heads

@@ -1,9 +1,8 @@
-"""`banded_attention` against `dense_attention` and the float64 reference.
+"""`banded_attention` against `explicit_attention` and the float64 reference.
 
 Each implementation the backend has runs (`portable` everywhere, `native`
 on torch). The matrix of lengths, windows and causality checks the banded
-output against the explicit path with the equivalent dense mask built by
-`keras_mha.masks` and that one against the float64 NumPy reference of
+output against the explicit path with the same spec and that one against the float64 NumPy reference of
 `reference.py` (with identity projections, so it sees the heads directly);
 the other cases check against the reference, and against the explicit path
 where the alignment of the two paths is the point. All to 1e-5."""
@@ -15,14 +14,13 @@ import numpy as np
 import pytest
 from conftest import BACKEND
 from reference import reference_attention
+from util import attention_spec
 from util import make_layer
 from util import to_numpy
 
 import keras_mha
-from keras_mha import attention
-from keras_mha import banded
-from keras_mha import dispatch
-from keras_mha import masks
+from keras_mha.attention import banded
+from keras_mha.attention import explicit
 
 IMPLEMENTATIONS = [banded.PORTABLE] + (
     [banded.NATIVE] if banded.native_available() else []
@@ -40,20 +38,19 @@ def _padding(length, valid_lengths):
     return np.arange(length)[None, :] < np.asarray(valid_lengths)[:, None]
 
 
+def _spec(q, window, causal, query_mask, key_mask, query_offset, **fields):
+    return attention_spec(
+        q.shape[-1], window, causal, query_mask=query_mask, key_mask=key_mask,
+        query_offset=query_offset, **fields,
+    )
+
+
 def _dense(q, k, v, window, causal, query_mask, key_mask, query_offset):
-    """The explicit path with the equivalent dense mask."""
+    """The explicit path with the same spec."""
 
     def attend(q, k, v, query_mask, key_mask):
-        mask = masks.combine_masks(
-            masks.padding_mask(query_mask, key_mask),
-            masks.causal_window_mask(
-                q.shape[1], k.shape[1], causal, window, query_offset
-            ),
-        )
-        out, _ = attention.dense_attention(
-            q, k, v, mask=mask, scale=1.0 / math.sqrt(q.shape[-1])
-        )
-        return out
+        spec = _spec(q, window, causal, query_mask, key_mask, query_offset)
+        return explicit.explicit_attention(q, k, v, spec)[0]
 
     return _jit(attend)(q, k, v, query_mask, key_mask)
 
@@ -93,11 +90,8 @@ def _reference(q, k, v, window, causal, query_mask, key_mask, query_offset):
 def _banded(q, k, v, window, causal, query_mask=None, key_mask=None,
             query_offset=0, **kwargs):
     def attend(q, k, v, query_mask, key_mask):
-        return banded.banded_attention(
-            q, k, v, window=window, causal=causal,
-            scale=1.0 / math.sqrt(q.shape[-1]), query_mask=query_mask,
-            key_mask=key_mask, query_offset=query_offset, **kwargs,
-        )
+        spec = _spec(q, window, causal, query_mask, key_mask, query_offset)
+        return banded.banded_attention(q, k, v, spec, **kwargs)
 
     return _jit(attend)(q, k, v, query_mask, key_mask)
 
@@ -327,10 +321,8 @@ class TestCompiled:
         key_mask = _padding(s_len, [s_len, 300])
 
         def fn(q, k, v, key_mask):
-            return banded.banded_attention(
-                q, k, v, window, causal, 1.0 / math.sqrt(HEAD),
-                key_mask=key_mask,
-            )
+            spec = _spec(q, window, causal, None, key_mask, 0)
+            return banded.banded_attention(q, k, v, spec)
 
         compiled = self._compiled(fn, t_len, s_len)
         want = to_numpy(_dense(q, k, v, window, causal, None, key_mask, 0))
@@ -350,12 +342,13 @@ class TestCompiled:
         q, k, v = (_heads(rng, 300, n) for n in (4, 2, 2))
         cotangent = _heads(rng, 300, 4)
 
+        spec = attention_spec(HEAD, 25, True)
+
         def fn(q, k, v):
-            return banded.banded_attention(q, k, v, 25, True, 0.3)
+            return banded.banded_attention(q, k, v, spec)
 
         def dense_fn(q, k, v):
-            mask = masks.causal_window_mask(300, 300, True, 25)
-            return attention.dense_attention(q, k, v, mask, 0.3)[0]
+            return explicit.explicit_attention(q, k, v, spec)[0]
 
         if BACKEND == "jax":
             got = _gradients(fn, q, k, v, cotangent)  # jitted there
@@ -395,21 +388,9 @@ class TestDtypes:
 class TestArguments:
     def test_default_block_size(self):
         assert [
-            banded.default_block_size(w, True) for w in (1, 17, 128, 129, 512)
+            banded.default_block_size((w - 1, 0)) for w in (1, 17, 128, 129, 512)
         ] == [32, 32, 128, 128, 128]
-
-    @pytest.mark.parametrize(
-        "name, value",
-        [("window", 0), ("window", 2.5), ("query_offset", -1),
-         ("block_size", 0), ("window", True)],
-    )
-    def test_invalid_integers(self, rng, name, value):
-        q = _heads(rng, 10, 2)
-        kwargs = dict(window=4, query_offset=0)
-        kwargs[name] = value
-        window = kwargs.pop("window")
-        with pytest.raises(ValueError, match=f"Received: {name}="):
-            _banded(q, q, q, window, True, **kwargs)
+        assert banded.default_block_size((16, 100)) == 128  # the wider side
 
     def test_invalid_implementation(self, rng):
         q = _heads(rng, 10, 2)
@@ -452,12 +433,12 @@ class TestDropout:
         q, k, v = (_heads(rng, length, n) for n in (4, 2, 2))
         padding = _padding(length, [length, 250])
         scale = 1.0 / math.sqrt(HEAD)
+        spec = attention_spec(HEAD, window, causal, query_mask=padding,
+                              key_mask=padding, dropout=rate, seed=seed)
         out = banded.banded_attention(
-            q, k, v, window=window, causal=causal, scale=scale,
-            query_mask=padding, key_mask=padding, dropout=rate, seed=seed,
-            implementation=banded.PORTABLE,
+            q, k, v, spec, implementation=banded.PORTABLE
         )
-        band = banded._band(length, length, window, causal, 0, None,
+        band = banded._band(length, length, spec, None,
                             banded._score_bytes(keras.ops.convert_to_tensor(q)))
         query = keras.ops.convert_to_tensor(q)
         keep = to_numpy(banded._keep_mask(query, k, band, rate, seed))
@@ -488,17 +469,10 @@ class TestDropout:
                         reason="only torch has a native path")
     def test_native_refuses_dropout(self, rng):
         q = _heads(rng, 64, 2)
+        spec = attention_spec(HEAD, 4, True, dropout=0.1)
         with pytest.raises(ValueError, match="dropout"):
-            banded.banded_attention(q, q, q, window=4, causal=True,
-                                    scale=1.0, dropout=0.1,
+            banded.banded_attention(q, q, q, spec,
                                     implementation=banded.NATIVE)
-
-    @pytest.mark.parametrize("rate", [-0.1, 1.0])
-    def test_invalid_rate(self, rng, rate):
-        q = _heads(rng, 64, 2)
-        with pytest.raises(ValueError, match=rf"dropout={rate}"):
-            banded.banded_attention(q, q, q, window=4, causal=True,
-                                    scale=1.0, dropout=rate)
 
 
 class TestLayerDropout:
@@ -519,12 +493,11 @@ class TestLayerDropout:
         layer.set_weights(template.get_weights())
         return x, layer
 
-    def test_banded_path_is_chosen(self):
-        assert dispatch.choose_path(
-            return_attention_scores=False, dropout_active=True, key_dim=4,
-            value_dim=4, sliding_window=self.WINDOW,
-            query_length=self.LENGTH, key_length=self.LENGTH,
-        ) == dispatch.BANDED
+    def test_banded_path_is_chosen(self, rng):
+        x, layer = self._layer(rng, seed=11)
+        assert layer.attention_path(
+            x.shape, x.shape, use_causal_mask=True, training=True
+        ) == "banded"
 
     def test_same_seed_same_dropout(self, rng):
         x, first = self._layer(np.random.default_rng(0), seed=11)

@@ -11,8 +11,10 @@ from util import reference
 from util import to_numpy
 
 import keras_mha
-from keras_mha import attention
-from keras_mha import dispatch
+from keras_mha.attention import AttentionSpec
+from keras_mha.attention import dispatch
+from keras_mha.attention.explicit import explicit_attention
+from keras_mha.attention.fused import fused_attention
 
 
 class TestConfigAndSaving:
@@ -163,10 +165,9 @@ class TestPaths:
         v = rng.normal(size=(2, 7, num_kv_heads, 3)).astype("float32")
         mask = rng.random((2, 1, 5, 7)) > 0.4
         mask[0, 0, 2] = False  # a row with nothing to attend to
-        fused = attention.fused_attention(q, k, v, mask=mask, scale=0.5)
-        explicit, weights = attention.dense_attention(
-            q, k, v, mask=mask, scale=0.5
-        )
+        spec = AttentionSpec(scale=0.5, causal=causal, attention_mask=mask)
+        fused = fused_attention(q, k, v, spec)
+        explicit, weights = explicit_attention(q, k, v, spec)
         np.testing.assert_allclose(
             to_numpy(fused), to_numpy(explicit), atol=1e-6
         )
@@ -176,53 +177,43 @@ class TestPaths:
     def test_native_causal_equals_mask(self, rng):
         q = rng.normal(size=(1, 4, 2, 3)).astype("float32")
         kv = rng.normal(size=(1, 6, 2, 3)).astype("float32")
-        native = attention.fused_attention(q, kv, kv, is_causal=True)
+        spec = AttentionSpec(scale=0.5, causal=True)
+        assert spec.plain_causal  # the backend's own causal kernel
+        native = fused_attention(q, kv, kv, spec)
         causal = np.tril(np.ones((4, 6), bool))[None, None]
-        masked = attention.fused_attention(q, kv, kv, mask=causal)
+        masked = fused_attention(
+            q, kv, kv, AttentionSpec(scale=0.5, attention_mask=causal)
+        )
         np.testing.assert_allclose(
             to_numpy(native), to_numpy(masked), atol=1e-6
         )
 
     def test_rule(self):
-        common = dict(key_dim=4, value_dim=4)
-        assert dispatch.choose_path(
-            return_attention_scores=False, dropout_active=False, **common
-        ) == dispatch.FUSED
-        assert dispatch.choose_path(
-            return_attention_scores=True, dropout_active=False, **common
-        ) == dispatch.EXPLICIT
-        assert dispatch.choose_path(
-            return_attention_scores=False, dropout_active=True, **common
-        ) == dispatch.EXPLICIT
-        band = dict(common, sliding_window=8, query_length=512,
-                    key_length=512)
-        assert dispatch.choose_path(
-            return_attention_scores=False, dropout_active=False, **band
-        ) == dispatch.BANDED
-        assert dispatch.choose_path(
-            return_attention_scores=False, dropout_active=False,
-            has_attention_mask=True, **band
-        ) == dispatch.FUSED
-        assert dispatch.choose_path(
-            return_attention_scores=True, dropout_active=False, **band
-        ) == dispatch.EXPLICIT
-        assert dispatch.choose_path(
-            return_attention_scores=False, dropout_active=True, **band
-        ) == dispatch.BANDED
-        short = dict(band, key_length=16)  # below the band's threshold
-        assert dispatch.choose_path(
-            return_attention_scores=False, dropout_active=True, **short
-        ) == dispatch.EXPLICIT
-        unknown = dict(band, query_length=None)  # banded needs static T
-        assert dispatch.choose_path(
-            return_attention_scores=False, dropout_active=False, **unknown
-        ) == dispatch.FUSED
-        for backend, path in (("jax", dispatch.EXPLICIT),
-                              ("torch", dispatch.FUSED)):
-            assert dispatch.choose_path(
-                return_attention_scores=False, dropout_active=False,
-                key_dim=4, value_dim=3, backend=backend,
-            ) == path
+        def path(t_len=None, s_len=None, value_dim=4, backend=None, **spec):
+            return dispatch.choose_path(
+                AttentionSpec(scale=1.0, **spec),
+                dispatch.Shapes(t_len, s_len, 4, value_dim),
+                backend=backend,
+            )
+
+        assert path() == dispatch.FUSED
+        assert path(return_weights=True) == dispatch.EXPLICIT
+        assert path(dropout=0.1) == dispatch.EXPLICIT
+        band = dict(window=(7, 7), t_len=512, s_len=512)
+        assert path(**band) == dispatch.BANDED
+        assert path(attention_mask=np.ones((1, 1, 512, 512), bool),
+                    **band) == dispatch.FUSED
+        assert path(return_weights=True, **band) == dispatch.EXPLICIT
+        assert path(dropout=0.1, **band) == dispatch.BANDED
+        # Below the band's threshold.
+        assert path(dropout=0.1, **dict(band, s_len=16)) == dispatch.EXPLICIT
+        # The band needs a static T.
+        assert path(**dict(band, t_len=None)) == dispatch.FUSED
+        # Keys at a cache's slots: only fused and explicit serve them.
+        assert path(key_positions=np.arange(512), **band) == dispatch.FUSED
+        for backend, expected in (("jax", dispatch.EXPLICIT),
+                                  ("torch", dispatch.FUSED)):
+            assert path(value_dim=3, backend=backend) == expected
 
     def test_flash_attention_required_rejects_scores(self, rng):
         query, value = random_inputs(rng)
@@ -306,11 +297,18 @@ class TestValidation:
         with pytest.raises(ValueError, match="attention_axes"):
             layer(query, value)
 
-    def test_float_attention_mask_is_rejected(self, rng):
+    def test_float_masks_mean_nonzero_may_attend(self, rng):
+        # As Keras takes them (its own tests pass `ops.tril(ops.ones(...))`).
         query, value = random_inputs(rng)
         layer = make_layer(query, value, num_heads=2, key_dim=4)
-        with pytest.raises(TypeError, match="attention_mask"):
-            layer(query, value, attention_mask=np.ones((5, 5), "float32"))
+        allowed = rng.random((2, 5, 5)) > 0.3
+        tokens = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+        expected = to_numpy(layer(query, value, attention_mask=allowed,
+                                  value_mask=tokens))
+        weights = np.where(allowed, rng.uniform(0.5, 2.0, allowed.shape), 0)
+        got = layer(query, value, attention_mask=weights.astype("float32"),
+                    value_mask=tokens.astype("float32"))
+        np.testing.assert_allclose(to_numpy(got), expected, atol=1e-6)
 
     def test_attention_mask_that_does_not_broadcast(self, rng):
         query, value = random_inputs(rng)

@@ -15,9 +15,11 @@ import sys
 import pytest
 from conftest import BACKEND
 
+import keras_mha
 from keras_mha import cli
-from keras_mha.bench import plan
-from keras_mha.bench import report
+from keras_mha.attention import dispatch
+from keras_mha.cli.bench import plan
+from keras_mha.cli.bench import report
 
 STATUSES = {plan.OK, plan.SKIPPED, plan.OUT_OF_MEMORY, plan.TIMED_OUT,
             plan.ERROR, plan.NOT_AVAILABLE}
@@ -69,6 +71,17 @@ def test_quick_reports_every_cell(quick_run):
     for key, cell in cells.items():
         for mode in config["modes"]:
             _check_outcome(cell[mode], (key, mode))
+        if cell["impl"] == "ours":  # the layer's own answer, per cell
+            shape = (config["batch"], cell["T"],
+                     config["num_heads"] * config["key_dim"])
+            layer = keras_mha.MultiHeadAttention(
+                config["num_heads"], config["key_dim"],
+                sliding_window=cell["w"])
+            path = layer.attention_path(shape, shape,
+                                        use_causal_mask=cell["causal"])
+            assert cell["forward"]["path"] == path, (key, cell)
+            assert (cell["forward"]["complexity"] == "banded") == (
+                path == dispatch.BANDED), (key, cell)
         # The small matrix is far from every cap: our layer must run.
         if cell["impl"] in ("ours", "ours_core", "keras"):
             assert cell["forward"]["status"] == plan.OK, (key, cell)
@@ -142,7 +155,7 @@ for line in sys.stdin:
 def test_runner_kills_hung_workers_and_abandons_compilers(
     tmp_path, monkeypatch
 ):
-    from keras_mha.bench import runner
+    from keras_mha.cli.bench import runner
 
     monkeypatch.setattr(runner, "worker_command",
                         lambda path: [sys.executable, "-c", _FAKE_WORKER])
@@ -215,7 +228,11 @@ def test_config_errors(tmp_path, capsys, config, args, message):
     assert message in err
 
 
-def test_default_config_is_valid():
+def test_default_config_is_valid(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the packaged matrix, not the checkout's
+    folder = os.path.join(os.path.dirname(cli.__file__), "matrices")
+    assert plan.load_config(None)["source"] == os.path.join(folder,
+                                                            "bench.json")
     for profile in (None, "quick", "long"):
         config = plan.load_config(None, profile)
         assert config["lengths"] == sorted(config["lengths"])

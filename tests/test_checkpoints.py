@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import keras_mha
-from keras_mha import dispatch
+from keras_mha.attention import dispatch
+from keras_mha.attention.spec import window_sides
 
 BACKENDS = ("tensorflow", "jax", "torch", "numpy")
 INSTALLED = tuple(
@@ -136,7 +137,7 @@ def test_loads_here(saved, source, name, fmt):
 
 def test_banded_model_takes_the_banded_path():
     length = LENGTHS["banded"]
-    assert dispatch.banded_pays_off(WINDOW, length, length)
+    assert dispatch.banded_pays_off(window_sides(WINDOW), length, length)
 
 
 def test_registered_names_in_the_archive(saved):

@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 from conftest import BACKEND
 
+import keras_mha
 from keras_mha import cli
-from keras_mha import compare
-from keras_mha import demo
-from keras_mha import dispatch
-from keras_mha import info
-from keras_mha import testrun
+from keras_mha.attention import dispatch
+from keras_mha.cli import compare
+from keras_mha.cli import demo
+from keras_mha.cli import info
+from keras_mha.cli import testrun
 
 TOKENS = ("банк", "у", "реки")
 
@@ -167,14 +168,84 @@ def test_demo_plot_without_matplotlib(monkeypatch, capsys, tmp_path):
 # ---------------------------------------------------------------------- info
 
 
-def test_info_child():
-    result = run_cli("info", "--return-scores")
+def test_info_child_forwards_every_flag():
+    # `--backend` runs info again in a child; the mask flags must survive.
+    result = run_cli("info", "--backend", BACKEND, "--causal",
+                     "--sliding-window", "16", "--query-length", "1024",
+                     "--value-mask")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert re.search(rf"^active backend: {BACKEND} ", out, re.M)
     for backend in cli.BACKENDS:
         assert re.search(rf"^{backend} ", out, re.M)
-    assert re.search(r"^path: explicit$", out, re.M)
+    assert re.search(r"^call: .*\bvalue_mask=True, key_mask=False, "
+                     r"attention_mask=False\b", out, re.M)
+    assert re.search(r"^path: banded$", out, re.M)
+
+
+def test_info_flags_round_trip():
+    flags = ["--return-scores", "--dropout-training", "--causal",
+             "--query-mask", "--value-mask", "--key-mask", "--attention-mask",
+             "--cache", "--key-dim", "8", "--value-dim", "16",
+             "--sliding-window", "4", "--query-length", "32",
+             "--key-length", "64"]
+    parser = cli.build_parser()
+    args = parser.parse_args(["info", *flags])
+    assert sorted(info.config_args(args)) == sorted(flags)
+    again = parser.parse_args(["info", *info.config_args(args)])
+    assert info.call_configuration(again) == info.call_configuration(args)
+    assert all(info.call_configuration(args)[flag] for flag in (
+        "query_mask", "value_mask", "key_mask", "attention_mask", "cache"))
+
+
+def _path_of_a_call(flags, monkeypatch):
+    """The path a real call of the layer takes for `info`'s flags: what the
+    dispatch rule answers inside the call."""
+    given = info.call_configuration(
+        cli.build_parser().parse_args(["info", *flags]))
+    t_len, s_len = given["query_length"], given["key_length"]
+    layer = keras_mha.MultiHeadAttention(
+        num_heads=2, key_dim=given["key_dim"], value_dim=given["value_dim"],
+        sliding_window=given["sliding_window"],
+        dropout=0.5 if given["dropout_training"] else 0.0,
+    )
+    rng = np.random.default_rng(0)
+    query = rng.normal(size=(1, t_len, 4)).astype("float32")  # (B, T, E)
+    kwargs = {}
+    if given["cache"]:
+        value = query  # the new tokens; the keys are in the cache
+        kwargs.update(cache=layer.init_cache(1, s_len), cache_update_index=0)
+        s_len = t_len
+    else:
+        value = rng.normal(size=(1, s_len, 4)).astype("float32")
+    for name, shape in (("query_mask", (1, t_len)),
+                        ("value_mask", (1, s_len)),
+                        ("key_mask", (1, s_len)),
+                        ("attention_mask", (1, t_len, s_len))):
+        if given[name]:
+            kwargs[name] = np.ones(shape, bool)
+    seen = []
+    choose_path = dispatch.choose_path
+
+    def recording(*args, **kw):
+        seen.append(choose_path(*args, **kw))
+        raise _Chosen()  # the path is known: nothing left to compute
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dispatch, "choose_path", recording)
+        with pytest.raises(_Chosen):
+            layer(query, value, use_causal_mask=given["causal"],
+                  return_attention_scores=given["return_scores"],
+                  training=given["dropout_training"], **kwargs)
+    assert len(seen) == 1, seen
+    return seen[0]
+
+
+class _Chosen(Exception):
+    """Stops a call once the dispatch rule has answered."""
+
+
+WINDOW_1024 = ["--causal", "--sliding-window", "16", "--query-length", "1024"]
 
 
 @pytest.mark.parametrize(
@@ -185,45 +256,25 @@ def test_info_child():
         (["--dropout-training"], dispatch.EXPLICIT),
         (["--key-dim", "8", "--value-dim", "16"], None),
         (["--causal", "--sliding-window", "4", "--query-length", "4096"],
+         dispatch.BANDED),
+        # A dense mask rules the band out; token masks do not.
+        (WINDOW_1024 + ["--attention-mask"], dispatch.FUSED),
+        (WINDOW_1024 + ["--value-mask"], dispatch.BANDED),
+        (WINDOW_1024 + ["--key-mask"], dispatch.BANDED),
+        (WINDOW_1024 + ["--query-mask"], dispatch.BANDED),
+        (["--causal", "--cache", "--query-length", "1", "--key-length", "64"],
          None),
     ],
-    ids=["default", "scores", "dropout", "value_dim", "window"],
+    ids=["default", "scores", "dropout", "value_dim", "window",
+         "window_dense_mask", "window_value_mask", "window_key_mask",
+         "window_query_mask", "cache"],
 )
-def test_info_path_is_dispatchs(flags, path, capsys):
+def test_info_path_is_the_calls(flags, path, capsys, monkeypatch):
     assert cli.main(["info", *flags]) == 0
-    out = capsys.readouterr().out
-    configuration, _ = info.call_configuration(
-        cli.build_parser().parse_args(["info", *flags])
-    )
-    expected, _ = info.path_for(dispatch.choose_path, configuration, BACKEND)
-    assert f"\npath: {expected}\n" in out
+    printed = re.findall(r"^path: (\w+)$", capsys.readouterr().out, re.M)
+    assert printed == [_path_of_a_call(flags, monkeypatch)]
     if path is not None:
-        assert expected == path
-
-
-def test_path_for_passes_only_accepted_keywords():
-    seen = {}
-
-    def choose_path(*, key_dim, sliding_window=None, query_length=None):
-        seen.update(key_dim=key_dim, sliding_window=sliding_window,
-                    query_length=query_length)
-        return "banded" if sliding_window else "fused"
-
-    configuration = dict(return_scores=True, dropout_training=False,
-                         causal=True, attention_mask=False, key_dim=8,
-                         value_dim=8, sliding_window=4, query_length=512,
-                         key_length=512)
-    path, ignored = info.path_for(choose_path, configuration)
-    assert path == "banded"
-    assert seen == dict(key_dim=8, sliding_window=4, query_length=512)
-    assert set(ignored) == {"return_scores", "dropout_training", "causal",
-                            "attention_mask", "value_dim", "key_length"}
-
-    def needs_more(*, key_dim, cache):
-        return "cached"
-
-    with pytest.raises(cli.CLIError, match="cache"):
-        info.path_for(needs_more, configuration)
+        assert printed == [path]
 
 
 # ------------------------------------------------------------------- compare
@@ -257,6 +308,15 @@ def test_compare_child(tmp_path):
         assert float(case["ours"]["error"]) <= 1e-5
         assert set(case["ours"]["calls"]) == {
             "output", "output_with_scores", "scores"}
+
+
+def test_compare_matrix_ships_with_the_package(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the checkout
+    cases = compare.load_matrix(compare.default_matrix())
+    assert len(cases) > 1 and all(case["name"] for case in cases)
+    folder = os.path.join(os.path.dirname(cli.__file__), "matrices")
+    assert str(compare.default_matrix()) == os.path.join(folder,
+                                                         "compare.json")
 
 
 def test_compare_rejects_a_bad_matrix(tmp_path, capsys):
@@ -308,17 +368,36 @@ def test_compare_reference_matches_the_tests_reference():
 # ---------------------------------------------------------------------- test
 
 
-def test_test_without_tests_folder(tmp_path):
+def test_test_outside_a_checkout(tmp_path):
     result = run_cli("test", "--backends", BACKEND, cwd=tmp_path)
     assert result.returncode == 2
     assert_one_error_line(result.stderr)
-    assert "no tests/ folder" in result.stderr
+    assert "needs a source checkout (a folder with tests/" in result.stderr
+    assert "run it from the repository root" in result.stderr
+    assert result.stderr.rstrip().endswith(
+        f"Received: cwd={os.path.realpath(tmp_path)}")
+
+
+@pytest.mark.parametrize("present", ["tests", "pyproject.toml"])
+def test_test_needs_tests_and_pyproject(present, tmp_path, monkeypatch,
+                                        capsys):
+    if present == "tests":
+        (tmp_path / "tests").mkdir()
+    else:
+        (tmp_path / "pyproject.toml").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["test", "--backends", BACKEND]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1
+    assert "needs a source checkout" in captured.err
+    assert captured.out == ""  # nothing ran
 
 
 def test_test_missing_backend_fails(tmp_path, monkeypatch, capsys):
     (tmp_path / "tests").mkdir()
+    (tmp_path / "pyproject.toml").write_text("")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "backend_installed", lambda name: False)
+    monkeypatch.setattr(testrun, "backend_installed", lambda name: False)
     assert cli.main(["test", "--backends", "torch"]) == 1
     out = capsys.readouterr().out
     assert "torch: not installed" in out and out.rstrip().endswith("FAIL")

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import keras_mha
-from keras_mha import dispatch
+from keras_mha.attention import dispatch
+from keras_mha.attention.spec import window_sides
 
 # name -> (layer kwargs, query length T, features E); the heads divide by 4
 # shards. "banded" is long enough against its window for the banded path.
@@ -199,7 +200,9 @@ def test_model_parallel_shards_heads(report, case):
 
 def test_banded_case_takes_the_banded_path():
     kwargs, length, _ = CASES["banded"]
-    assert dispatch.banded_pays_off(kwargs["sliding_window"], length, length)
+    assert dispatch.banded_pays_off(
+        window_sides(kwargs["sliding_window"]), length, length
+    )
 
 
 def _mesh(shape=(2, 4), axes=("batch", "model")):

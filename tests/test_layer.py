@@ -14,7 +14,7 @@ from util import reference
 from util import to_numpy
 
 import keras_mha
-from keras_mha import dispatch
+from keras_mha.attention import dispatch
 
 
 def _case_id(params):
@@ -367,19 +367,16 @@ class TestBandedPath:
     )
     def test_threshold(self, rng, window, key_length):
         """Either side of each threshold: the rule flips, the numbers don't."""
-        path = dispatch.choose_path(
-            return_attention_scores=False, dropout_active=False, key_dim=4,
-            value_dim=4, sliding_window=window, query_length=key_length,
-            key_length=key_length,
-        )
+        query, value = random_inputs(rng, batch=1, query_length=key_length)
+        layer = make_layer(query, value, num_heads=2, key_dim=4,
+                           sliding_window=window)
+        path = layer.attention_path(query.shape, value.shape,
+                                    use_causal_mask=True)
         banded = (
             key_length >= dispatch.BANDED_MIN_RATIO * window
             and key_length >= dispatch.BANDED_MIN_LENGTH
         )
         assert path == (dispatch.BANDED if banded else dispatch.FUSED)
-        query, value = random_inputs(rng, batch=1, query_length=key_length)
-        layer = make_layer(query, value, num_heads=2, key_dim=4,
-                           sliding_window=window)
         expected, _ = reference(layer, query, value, use_causal_mask=True)
         assert_close(layer(query, value, use_causal_mask=True), expected,
                      rtol=1e-5)

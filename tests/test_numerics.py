@@ -22,7 +22,7 @@ from util import reference
 from util import to_numpy
 
 import keras_mha
-from keras_mha import dispatch
+from keras_mha.attention import dispatch
 
 HALF_POLICIES = ["mixed_float16", "mixed_bfloat16"]
 FLOAT16_MAX = float(np.finfo("float16").max)

@@ -27,8 +27,7 @@ from util import reference
 from util import to_numpy
 
 from keras_mha import attention as attention_lib
-from keras_mha import banded as banded_lib
-from keras_mha import dispatch
+from keras_mha.attention import dispatch
 
 _COMMON = dict(
     deadline=None,
@@ -206,36 +205,31 @@ def test_fused_and_explicit_paths_match_reference(case):
         _check(result, expected, scores)
 
 
-_PATH_FUNCTIONS = {
-    dispatch.FUSED: (attention_lib, "fused_attention"),
-    dispatch.EXPLICIT: (attention_lib, "dense_attention"),
-    dispatch.BANDED: (banded_lib, "banded_attention"),
-}
-
-
 def _spy_on_paths(stack):
-    """`{path: mock}` recording calls to each path's function until `stack`
-    closes."""
+    """`{path: mock}` recording calls to each path's function (as `attend`
+    finds it) until `stack` closes."""
     return {
         path: stack.enter_context(
-            mock.patch.object(module, name, wraps=getattr(module, name))
+            mock.patch.object(
+                attention_lib,
+                f"{path}_attention",
+                wraps=getattr(attention_lib, f"{path}_attention"),
+            )
         )
-        for path, (module, name) in _PATH_FUNCTIONS.items()
+        for path in dispatch.PATHS
     }
 
 
-def _can_serve(path, case, scores):
-    """Whether a forced path runs as forced (DESIGN.md, attention paths)."""
-    if path == dispatch.EXPLICIT:
-        return True
-    if scores:
-        return False
-    if path == dispatch.FUSED:
-        layer = case["layer"]
-        return dispatch.fused_supported(layer["key_dim"], layer["value_dim"])
-    return (
-        case["layer"]["sliding_window"] is not None
-        and case["attention_mask"] is None
+def _expected_path(layer, inputs, kwargs, scores):
+    """The path the layer's rule answers for this call (under any forced
+    path in effect)."""
+    masks = {name: name in kwargs for name in
+             ("query_mask", "value_mask", "key_mask", "attention_mask")}
+    return layer.attention_path(
+        *(x.shape for x in inputs),
+        use_causal_mask=kwargs["use_causal_mask"],
+        return_attention_scores=scores,
+        **masks,
     )
 
 
@@ -244,9 +238,10 @@ def _can_serve(path, case, scores):
 @PROFILE
 @given(case=attention_cases(ci_geometries=CI_GEOMETRIES[:1]))
 def test_every_forced_path_matches_reference(case):
-    """Each path in `dispatch.PATHS`, forced with `dispatch.force_path`, runs
-    where it can serve the call (checked with spies) and equals the
-    reference; where it cannot, the rule's path runs instead."""
+    """Each path in `dispatch.PATHS`, forced with `dispatch.force_path`: the
+    path that runs (checked with spies) is the one the layer's rule answers
+    (`attention_path`, which honours the forced path where it can serve the
+    call), and it equals the reference."""
     layer, inputs, kwargs, expected = _build(case)
     for scores in (False, True):
         for path in dispatch.PATHS:
@@ -256,10 +251,11 @@ def test_every_forced_path_matches_reference(case):
                 result = layer(
                     *inputs, return_attention_scores=scores, **kwargs
                 )
+                answer = _expected_path(layer, inputs, kwargs, scores)
             ran = {p for p, spy in spies.items() if spy.called}
-            assert len(ran) == 1, ran
-            if _can_serve(path, case, scores):
-                assert ran == {path}
+            assert ran == {answer}
+            if path == dispatch.EXPLICIT:  # serves every call
+                assert answer == path
             _check(result, expected, scores)
 
 

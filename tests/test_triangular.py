@@ -2,8 +2,6 @@
 time) against the explicit path and the float64 reference, and the layer
 on that path against Keras's layer."""
 
-import math
-
 import numpy as np
 import pytest
 from test_banded import _gradients
@@ -12,14 +10,16 @@ from test_banded import _jit
 from test_banded import _padding
 from test_banded import _reference
 from util import assert_close
+from util import attention_spec
 from util import make_keras_twin
 from util import make_layer
 from util import reference
 from util import to_numpy
 
-from keras_mha import attention
-from keras_mha import dispatch
-from keras_mha import masks
+from keras_mha.attention import AttentionSpec
+from keras_mha.attention import dispatch
+from keras_mha.attention import explicit
+from keras_mha.attention import triangular
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 
@@ -28,22 +28,22 @@ def _dense(q, k, v, query_mask, key_mask):
     return _jit(_dense_eager)(q, k, v, query_mask, key_mask)
 
 
+def _spec(q, query_mask, key_mask):
+    return attention_spec(
+        q.shape[-1], causal=True, query_mask=query_mask, key_mask=key_mask
+    )
+
+
 def _dense_eager(q, k, v, query_mask, key_mask):
-    mask = masks.combine_masks(
-        masks.padding_mask(query_mask, key_mask),
-        masks.causal_window_mask(q.shape[1], k.shape[1], True, None),
-    )
-    out, _ = attention.dense_attention(
-        q, k, v, mask=mask, scale=1.0 / math.sqrt(q.shape[-1])
-    )
-    return out
+    spec = _spec(q, query_mask, key_mask)
+    return explicit.explicit_attention(q, k, v, spec)[0]
 
 
 def _triangular(q, k, v, query_mask, key_mask, block_size):
     def attend(q, k, v, query_mask, key_mask):
-        return attention.triangular_attention(
-            q, k, v, scale=1.0 / math.sqrt(q.shape[-1]),
-            query_mask=query_mask, key_mask=key_mask, block_size=block_size,
+        spec = _spec(q, query_mask, key_mask)
+        return triangular.triangular_attention(
+            q, k, v, spec, block_size=block_size
         )
 
     return _jit(attend)(q, k, v, query_mask, key_mask)
@@ -90,30 +90,27 @@ class TestTriangular:
 
 class TestLayerOnTheTriangle:
     def test_rule(self):
-        common = dict(return_attention_scores=False, dropout_active=False,
-                      key_dim=4, value_dim=4, causal=True)
         at = dispatch.TRIANGULAR_MIN_LENGTH
-        for backend, length, path in (
+
+        def path(t_len=at, s_len=at, backend="jax", **fields):
+            spec = AttentionSpec(scale=1.0, **{"causal": True, **fields})
+            shapes = dispatch.Shapes(t_len, s_len, 4, 4)
+            return dispatch.choose_path(spec, shapes, backend=backend)
+
+        for backend, length, expected in (
             ("jax", at, dispatch.TRIANGULAR),
             ("jax", at - 1, dispatch.FUSED),
             ("torch", at, dispatch.FUSED),
             ("tensorflow", at, dispatch.FUSED),
         ):
-            assert dispatch.choose_path(
-                query_length=length, key_length=length, backend=backend,
-                **common,
-            ) == path, (backend, length)
+            assert path(length, length, backend) == expected, (backend, length)
         for blocker in (dict(causal=False), dict(flash_attention=True),
-                        dict(has_attention_mask=True),
-                        dict(sliding_window=at // 8),
-                        dict(return_attention_scores=True)):
-            args = {**common, **blocker}
-            assert dispatch.choose_path(
-                query_length=at, key_length=at, backend="jax", **args,
-            ) != dispatch.TRIANGULAR, blocker
-        assert dispatch.choose_path(
-            query_length=at, key_length=at + 1, backend="jax", **common
-        ) == dispatch.FUSED  # cross-attention
+                        dict(attention_mask=np.ones((1, 1, at, at), bool)),
+                        dict(window=(at // 8 - 1, 0)),
+                        dict(return_weights=True),
+                        dict(query_offset=3)):
+            assert path(**blocker) != dispatch.TRIANGULAR, blocker
+        assert path(s_len=at + 1) == dispatch.FUSED  # cross-attention
 
     def test_layer_matches_reference_and_keras(self, rng):
         length = 600

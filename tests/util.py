@@ -4,6 +4,9 @@ import keras
 import numpy as np
 
 import keras_mha
+from keras_mha.attention import AttentionSpec
+from keras_mha.attention.spec import default_scale
+from keras_mha.attention.spec import window_sides
 from reference import layer_weights
 from reference import reference_attention
 
@@ -68,4 +71,15 @@ def reference(layer, query, value, key=None, **kwargs):
 def assert_close(actual, expected, atol=1e-5, rtol=1e-5):
     np.testing.assert_allclose(
         to_numpy(actual).astype("float64"), expected, atol=atol, rtol=rtol
+    )
+
+
+def attention_spec(head, window=None, causal=False, **fields):
+    """The `AttentionSpec` a layer with `key_dim=head` and
+    `sliding_window=window` describes; `fields` fill the rest."""
+    return AttentionSpec(
+        scale=default_scale(head),
+        causal=causal,
+        window=window_sides(window, causal),
+        **fields,
     )

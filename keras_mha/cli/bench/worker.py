@@ -1,6 +1,6 @@
 """The benchmark worker: one process, one backend (`KERAS_BACKEND`).
 
-Started by the parent as `python -m keras_mha.bench.worker CONFIG.json`.
+Started by the parent as `python -m keras_mha.cli.bench.worker CONFIG.json`.
 It reads one message per line on stdin, `{"unit", "history",
 "memory_cap_bytes", "skip_compilers"}`, and answers on its original stdout
 with `{"event": "trying"}` and `{"event": "warm"}` around each first call,
@@ -26,9 +26,10 @@ import traceback
 
 import numpy as np
 
-from keras_mha.bench import backends
-from keras_mha.bench import memory
-from keras_mha.bench import plan
+from keras_mha.cli.bench import backends
+from keras_mha.cli.bench import memory
+from keras_mha.cli.bench import plan
+from keras_mha.cli.common import backend_version
 
 _OOM = re.compile(
     r"out of memory|resource.?exhausted|can.?t allocate memory|"
@@ -222,23 +223,19 @@ class Worker:
     # --- attention
 
     def path(self, unit):
-        """The attention path our layer takes for this cell (dispatch's)."""
-        from keras_mha import dispatch
-        from keras_mha import info
+        """The attention path our layer takes for this cell, as the layer
+        answers it (`attention_path`: the call's spec, the dispatch rule)."""
+        import keras_mha
 
-        configuration = {
-            "return_scores": False, "dropout_training": False,
-            "causal": unit["causal"], "key_dim": self.config["key_dim"],
-            "value_dim": self.config["key_dim"],
-            "sliding_window": unit["w"], "query_length": unit["T"],
-            "key_length": unit["T"],
-        }
-        try:
-            path, _ = info.path_for(dispatch.choose_path, configuration,
-                                    self.name)
-        except Exception:
-            return None
-        return str(path)
+        config = self.config
+        layer = keras_mha.MultiHeadAttention(
+            num_heads=config["num_heads"], key_dim=config["key_dim"],
+            sliding_window=unit["w"],
+        )
+        shape = (config["batch"], unit["T"],
+                 config["num_heads"] * config["key_dim"])  # (B, T, E)
+        return layer.attention_path(shape, shape,
+                                    use_causal_mask=unit["causal"])
 
     def complexity(self, unit):
         """`(complexity, path, analytic bytes)` of an attention unit.
@@ -250,20 +247,22 @@ class Worker:
         `dense_bytes_factor`; none for flex_attention, which never holds
         them.
         """
+        from keras_mha.attention import dispatch
+        from keras_mha.attention.banded import default_block_size
+        from keras_mha.attention.spec import window_sides
+
         impl, window, causal = unit["impl"], unit["w"], unit["causal"]
         path = None
         if impl == "ours":
             path = self.path(unit)
-            banded = path is not None and "band" in path.lower()
+            banded = path == dispatch.BANDED
         else:
             banded = impl in ("ours_core", "flex_attention") and \
                 window is not None
         if impl == "flex_attention":
             analytic = None
         elif banded:
-            from keras_mha import banded as banded_lib
-
-            block = banded_lib.default_block_size(window, causal)
+            block = default_block_size(window_sides(window, causal))
             analytic = plan.banded_bytes(self.config, unit["T"], window,
                                          causal, block)
         else:
@@ -271,30 +270,20 @@ class Worker:
         return ("banded" if banded else "dense"), path, analytic
 
     def core_fn(self, unit):
-        """Our attention core: the banded function with a window, the
-        triangular one where the layer's rule picks it, else the fused
-        path."""
-        from keras_mha import attention as attention_lib
-        from keras_mha import banded as banded_lib
-        from keras_mha import dispatch
+        """Our attention core: the banded function with a window, else what
+        the one entry `attend` runs (the triangular path where the rule
+        picks it, the fused one otherwise)."""
+        from keras_mha.attention import AttentionSpec
+        from keras_mha.attention import attend
+        from keras_mha.attention import banded_attention
+        from keras_mha.attention.spec import window_sides
 
-        window, causal, scale = unit["w"], unit["causal"], self.scale
+        window, causal = unit["w"], unit["causal"]
+        spec = AttentionSpec(scale=self.scale, causal=causal,
+                             window=window_sides(window, causal))
         if window is not None:
-            return lambda q, k, v: banded_lib.banded_attention(
-                q, k, v, window=window, causal=causal, scale=scale
-            )
-        path = dispatch.choose_path(
-            return_attention_scores=False, dropout_active=False,
-            key_dim=self.config["key_dim"], value_dim=self.config["key_dim"],
-            query_length=unit["T"], key_length=unit["T"], causal=causal,
-        )
-        if path == dispatch.TRIANGULAR:
-            return lambda q, k, v: attention_lib.triangular_attention(
-                q, k, v, scale=scale
-            )
-        return lambda q, k, v: attention_lib.fused_attention(
-            q, k, v, is_causal=causal, scale=scale
-        )
+            return lambda q, k, v: banded_attention(q, k, v, spec)
+        return lambda q, k, v: attend(q, k, v, spec)[0]
 
     def attention(self, unit, history, memory_cap_bytes):
         impl, mode = unit["impl"], unit["mode"]
@@ -390,8 +379,6 @@ def main(config_path):
     with open(config_path, encoding="utf-8") as file:
         config = json.load(file)
     worker = Worker(config, emit)
-    from keras_mha.cli import backend_version
-
     # What the imports created lives as long as the process: keep it out of
     # every later collection (a full one takes about a second otherwise).
     gc.collect()

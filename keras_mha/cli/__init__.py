@@ -3,7 +3,8 @@
 This module parses arguments and turns every failure into one line on stderr
 and an exit code; the work of each subcommand lives in its own module
 (`demo.py`, `info.py`, `compare.py`, `bench/`, `testrun.py`), imported only
-when that subcommand runs.
+when that subcommand runs. What they share is in `common.py`; they import
+it, never this module. The library never imports the command line.
 
 A Keras process has exactly one backend, fixed when Keras is imported, so
 everything that runs on a chosen backend runs in a child process with
@@ -16,85 +17,16 @@ Exit codes: 0 success, 1 a check failed (compare, test), 2 usage errors
 
 import argparse
 import importlib.metadata
-import importlib.util
-import os
 import subprocess
 import sys
 
-PROG = "keras-mha"
-BACKENDS = ("tensorflow", "jax", "torch", "numpy")
-
-# Distributions that provide each backend's module, for version look-ups
-# that do not import it.
-_DISTRIBUTIONS = {
-    "tensorflow": ("tensorflow", "tensorflow-cpu", "tensorflow-macos"),
-    "jax": ("jax",),
-    "torch": ("torch",),
-    "numpy": ("numpy",),
-}
-
-
-class CLIError(Exception):
-    """A failure reported as one line on stderr, with an exit code."""
-
-    def __init__(self, message, exit_code=2):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-# ------------------------------------------------------------------ backends
-
-
-def backend_installed(name):
-    """Whether the backend's module can be imported (NumPy always can)."""
-    return name == "numpy" or importlib.util.find_spec(name) is not None
-
-
-def backend_version(name):
-    """The installed version of the backend, without importing it."""
-    for dist in _DISTRIBUTIONS[name]:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def check_backend(name):
-    """Raises `CLIError` unless `name` is a known, installed backend."""
-    if name not in BACKENDS:
-        raise CLIError(
-            f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}"
-        )
-    if not backend_installed(name):
-        raise CLIError(
-            f"backend {name!r} is not installed "
-            f'(pip install "keras-mha[{name}]")'
-        )
-
-
-def parse_backends(text):
-    """`"jax,torch"` -> `["jax", "torch"]`, each checked; `None` stays."""
-    if text is None:
-        return None
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise CLIError(f"no backend named in --backends={text!r}")
-    for name in names:
-        if name not in BACKENDS:
-            raise CLIError(
-                f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}"
-            )
-    return list(dict.fromkeys(names))
-
-
-def backend_env(name, quiet_tensorflow=True):
-    """The environment of a child process that runs on backend `name`."""
-    env = dict(os.environ, KERAS_BACKEND=name)
-    if quiet_tensorflow:
-        # TensorFlow's C++ start-up messages would bury one-line outputs.
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return env
+from keras_mha.cli.common import BACKENDS
+from keras_mha.cli.common import PROG
+from keras_mha.cli.common import CLIError
+from keras_mha.cli.common import backend_env
+from keras_mha.cli.common import check_backend
+from keras_mha.cli.common import parse_backends
+from keras_mha.cli.common import positive_int
 
 
 def run_child(backend, args):
@@ -155,8 +87,8 @@ def build_parser():
         "info",
         help="versions, backends and the attention path a call takes",
         description="Keras and backend versions, the active backend, and "
-        "which attention path (keras_mha.dispatch.choose_path) a call with "
-        "the given configuration takes.",
+        "which attention path a call with the given configuration takes, as "
+        "the layer answers it (MultiHeadAttention.attention_path).",
     )
     _add_backend_flag(info, "info")
     config = info.add_argument_group("call configuration")
@@ -166,8 +98,18 @@ def build_parser():
                         help="dropout > 0 and training=True")
     config.add_argument("--causal", action="store_true",
                         help="use_causal_mask=True")
+    config.add_argument("--query-mask", action="store_true",
+                        help="the query has a Keras mask (B, T), e.g. "
+                        "padding")
+    config.add_argument("--value-mask", action="store_true",
+                        help="the value has a Keras mask (B, S), e.g. "
+                        "padding")
+    config.add_argument("--key-mask", action="store_true",
+                        help="the key has a Keras mask (B, S)")
     config.add_argument("--attention-mask", action="store_true",
-                        help="an attention_mask or padding mask is given")
+                        help="a dense attention_mask (B, T, S) is given")
+    config.add_argument("--cache", action="store_true",
+                        help="the call decodes with a key/value cache")
     config.add_argument("--key-dim", type=positive_int,
                         metavar="H", help="key_dim (default 64)")
     config.add_argument("--value-dim", type=positive_int, metavar="V",
@@ -192,13 +134,14 @@ def build_parser():
     compare.add_argument("--json", metavar="FILE",
                          help="write all results as JSON")
     compare.add_argument("--matrix", metavar="FILE",
-                         help="cases (default: configs/compare.json)")
+                         help="cases (default: the packaged "
+                         "keras_mha/cli/matrices/compare.json)")
     compare.add_argument("--worker", action="store_true",
                          help=argparse.SUPPRESS)
 
-    from keras_mha import bench  # its parser only; the work is imported later
+    from keras_mha.cli.bench import command as bench
 
-    bench.add_parser(commands)
+    bench.add_parser(commands)  # its parser only; the work is imported later
 
     test = commands.add_parser(
         "test",
@@ -218,38 +161,6 @@ def build_parser():
                       metavar="N", help="backends run at once (default 2)")
 
     return parser
-
-
-def _positive(convert, kind):
-    """An argparse `type`: `convert(text)`, which must be > 0."""
-
-    def parse(text):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {kind}: {text!r}")
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be positive: {value}")
-        return value
-
-    return parse
-
-
-positive_int = _positive(int, "an integer")
-positive_float = _positive(float, "a number")
-
-
-def read_json(path, what):
-    """The JSON document at `path`; a `CLIError` naming `what` otherwise."""
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as file:
-            return json.load(file)
-    except OSError as error:
-        raise CLIError(f"cannot read {what} {path}: {error.strerror}")
-    except ValueError as error:
-        raise CLIError(f"{what} {path} is not valid JSON: {error}")
 
 
 def _version():
@@ -287,17 +198,17 @@ def _dispatch(args):
         if args.backend is not None:
             plot = [] if args.plot is None else ["--plot", args.plot]
             return run_child(args.backend, ["demo", *plot])
-        from keras_mha import demo
+        from keras_mha.cli import demo
 
         return demo.run(plot=args.plot)
     if args.command == "info":
-        from keras_mha import info
+        from keras_mha.cli import info
 
         if args.backend is not None:
             return run_child(args.backend, ["info", *info.config_args(args)])
         return info.run(args)
     if args.command == "compare":
-        from keras_mha import compare
+        from keras_mha.cli import compare
 
         if args.worker:
             return compare.worker(args.matrix)
@@ -307,11 +218,11 @@ def _dispatch(args):
             json_path=args.json,
         )
     if args.command == "bench":
-        from keras_mha import bench
+        from keras_mha.cli.bench import command as bench
 
         return bench.run(args)
     if args.command == "test":
-        from keras_mha import testrun
+        from keras_mha.cli import testrun
 
         return testrun.run(
             backends=parse_backends(args.backends),

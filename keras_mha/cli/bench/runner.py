@@ -32,8 +32,9 @@ import tempfile
 import threading
 import time
 
-from keras_mha.bench import memory
-from keras_mha.bench import plan
+from keras_mha.cli.bench import memory
+from keras_mha.cli.bench import plan
+from keras_mha.cli.common import backend_env
 
 STARTUP_TIMEOUT = 300.0
 _POLL = 0.2
@@ -56,8 +57,6 @@ class _Worker:
     """One worker process and a thread that reads its protocol lines."""
 
     def __init__(self, backend, config_path, log_path):
-        from keras_mha.cli import backend_env
-
         env = backend_env(backend)
         env["PYTHONUNBUFFERED"] = "1"
         # No pool of compile processes: their memory would escape the
@@ -315,7 +314,7 @@ class Runner:
 
 def worker_command(config_path):
     """The command line of a worker process."""
-    return [sys.executable, "-m", "keras_mha.bench.worker", config_path]
+    return [sys.executable, "-m", "keras_mha.cli.bench.worker", config_path]
 
 
 def first_call_timeout(config):

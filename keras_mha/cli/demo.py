@@ -17,6 +17,8 @@ import os
 
 import numpy as np
 
+from keras_mha.cli.common import CLIError
+
 TOKENS = ("банк", "у", "реки")
 
 # (E, N, H) = (token, head, component): row j is token j's projection.
@@ -80,8 +82,6 @@ def run(plot=None):
     """Prints the weights of "банк" per head; draws all of them to `plot`."""
     import keras
 
-    from keras_mha.cli import CLIError
-
     if plot is not None:
         if importlib.util.find_spec("matplotlib") is None:
             raise CLIError(f"--plot needs matplotlib: {INSTALL_PLOT}")
@@ -113,8 +113,6 @@ def run(plot=None):
 
 def save_plot(weights, path):
     """Draws each head's `(T, S)` weights side by side into `path`."""
-    from keras_mha.cli import CLIError
-
     try:
         import matplotlib
     except ImportError:

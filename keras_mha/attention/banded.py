@@ -1,29 +1,29 @@
-"""Sliding-window attention computed block by block: O(T·w), not O(T·S).
+"""The banded path: sliding-window attention block by block, O(T·w).
 
 Queries are cut into blocks of `b` consecutive positions. The keys a block
-may see lie in one contiguous span: `[start - w + 1, end]` when causal,
-`[start - w + 1, end + w - 1]` otherwise. With keys cut into blocks of the
-same size and aligned with the query blocks, that span is a fixed number of
-whole key blocks, so every query block gets the same static number of keys
-and the band is a pair of batched matrix products:
+may see lie in one contiguous span: `[start - left, end + right]` for a
+window `(left, right)` (`right = 0` when causal). With keys cut into blocks
+of the same size and aligned with the query blocks, that span is a fixed
+number of whole key blocks, so every query block gets the same static
+number of keys and the band is a pair of batched matrix products:
 
     query blocks      (B, K, n, b, G, H)
     key/value spans   (B, K, n, span, H|V),  span = (L + 1 + R)·b
     scores            (B, K, n, b, G, span)
 
-`n = ceil(T / b)`, `L = ceil((w - 1) / b)` key blocks before the query
-block, `R = L` after it (`0` when causal). Keys outside `[0, S)` are padding
-and masked. The heads sit in front of the blocks so both products are plain
-batched matrix products, and grouped query heads ride along as extra rows
-(`G`), so keys and values are never repeated per group.
+`n = ceil(T / b)`, `L = ceil(left / b)` key blocks before the query block,
+`R = ceil(right / b)` after it (`0` when causal). Keys outside `[0, S)` are
+padding and masked. The heads sit in front of the blocks so both products
+are plain batched matrix products, and grouped query heads ride along as
+extra rows (`G`), so keys and values are never repeated per group.
 
 The portable path (`keras.ops` only) runs the blocks a chunk of `C` blocks
 at a time in a loop, so the forward pass holds the scores of one chunk
 (about `CHUNK_BYTES`), not of the whole band; the native path hands the
-blocks to torch's fused attention kernel (`_native.py`). All shapes follow
-from the static `T`, `S`, `w` and `b`: the function traces under `jax.jit`
-and `tf.function` (XLA included) with any batch size, and the ordinary
-autodiff of each backend differentiates it in O(B·N·T·w) memory.
+blocks to torch's fused attention kernel (`kernels.py`). All shapes follow
+from the static `T`, `S`, window and `b`: the function traces under
+`jax.jit` and `tf.function` (XLA included) with any batch size, and the
+ordinary autodiff of each backend differentiates it in O(B·N·T·w) memory.
 """
 
 import collections
@@ -32,8 +32,8 @@ import functools
 import keras
 from keras import ops
 
-from keras_mha import attention as attention_lib
-from keras_mha import masks as masks_lib
+from keras_mha.attention import explicit
+from keras_mha.attention import masks as masks_lib
 
 PORTABLE = "portable"
 NATIVE = "native"
@@ -49,23 +49,23 @@ _MIN_BLOCK = 32
 _MAX_BLOCK = 128
 
 
-def default_block_size(window, causal):
-    """The query block `b` used when none is given.
+def default_block_size(window):
+    """The query block `b` for a window `(left, right)`.
 
-    The next power of two at or above `w`, within `[32, 128]`. A query
-    block reads `L = ceil((w - 1) / b)` key blocks before it (and as many
-    after it without `causal`), so its scores hold `b + L·b` keys per query
-    (`b + 2L·b` symmetric) for `w` (`2w - 1`) useful ones: larger blocks
-    waste more of the span, smaller ones make the batched products too
-    small to run well. Measured on the 2-core CPU (forward, `T = 16384`,
-    `N = 8`, `H = 64`, causal; TensorFlow, JAX, torch): at `w = 128`,
-    `b = 128` was best or within noise of `b = 64`, and `b = 256` was 15-35%
-    slower; at `w = 512`, `b = 128` (`L = 4`) beat 256 by 10-25% and 512 by
-    25-45% on JAX and torch, and `b = 64` was slower again on TensorFlow
-    and JAX. Below 32 the per-block overhead dominates.
+    The next power of two at or above `w = max(left, right) + 1`, within
+    `[32, 128]`. A query block reads `L = ceil(left / b)` key blocks before
+    it (and `R` after it without `causal`), so its scores hold `b + L·b`
+    keys per query for `w` useful ones: larger blocks waste more of the
+    span, smaller ones make the batched products too small to run well.
+    Measured on the 2-core CPU (forward, `T = 16384`, `N = 8`, `H = 64`,
+    causal; TensorFlow, JAX, torch): at `w = 128`, `b = 128` was best or
+    within noise of `b = 64`, and `b = 256` was 15-35% slower; at `w = 512`,
+    `b = 128` (`L = 4`) beat 256 by 10-25% and 512 by 25-45% on JAX and
+    torch, and `b = 64` was slower again on TensorFlow and JAX. Below 32
+    the per-block overhead dominates. Causal and symmetric windows measured
+    best with the same choice.
     """
-    del causal  # the same choice measured best for both
-    block = _round_up_pow2(int(window))  # >= w
+    block = _round_up_pow2(max(window) + 1)  # >= w
     return max(_MIN_BLOCK, min(_MAX_BLOCK, block))
 
 
@@ -76,70 +76,39 @@ def native_available(backend=None):
 
 
 def banded_attention(
-    query,
-    key,
-    value,
-    window,
-    causal,
-    scale,
-    query_mask=None,
-    key_mask=None,
-    query_offset=0,
-    block_size=None,
-    implementation=None,
-    dropout=0.0,
-    seed=None,
+    query, key, value, spec, block_size=None, implementation=None
 ):
-    """Sliding-window attention in O(B·N·T·w) time and memory.
+    """Sliding-window attention as `spec` asks, in O(B·N·T·w).
 
-    Query `t` sits at absolute position `p = query_offset + t` and may attend
-    to key `j` iff `|p - j| < window` and, when `causal`, `j <= p`, ANDed
-    with `query_mask` and `key_mask`. The numbers are those of
-    `attention.dense_attention` with the equivalent dense mask: a query row
-    with no allowed key gets an output of exactly 0 (and finite gradients);
-    float16/bfloat16 inputs are computed in float32 and cast back.
+    The numbers are those of `explicit.explicit_attention` with the same
+    spec: a query row with no allowed key gets an output of exactly 0 (and
+    finite gradients); float16/bfloat16 inputs are computed in float32 and
+    cast back. Dropout drops the band's weights with the spec's seed, as
+    the explicit path drops its own.
 
     Args:
         query: `(B, T, N, H)`.
         key: `(B, S, K, H)`, `N % K == 0`; query head `n` reads key head
             `n // (N // K)` (the keys are not repeated per group).
         value: `(B, S, K, V)`.
-        window: `w >= 1`, a Python int.
-        causal: whether key `j` must also satisfy `j <= p`.
-        scale: multiplies the logits, usually `1 / sqrt(H)`.
-        query_mask: `None` or boolean `(B, T)`, `True` = valid query.
-        key_mask: `None` or boolean `(B, S)`, `True` = valid key.
-        query_offset: absolute position of query 0, a Python int `>= 0`.
-        block_size: the query block `b`; `default_block_size(window, causal)`
-            if `None`.
+        spec: an `AttentionSpec` with a window, a Python int
+            `query_offset`, keys at their own positions (no
+            `key_positions`), no dense mask and no weights returned (see
+            `dispatch.can_serve`).
+        block_size: the query block `b`; `default_block_size` if `None`.
         implementation: `"portable"` (`keras.ops` only, every backend),
             `"native"` (torch's fused `scaled_dot_product_attention` on the
             blocks; torch only) or `None`, the native one where it exists
             and no dropout is asked for.
-        dropout: the rate at which attention weights are dropped (and the
-            rest scaled by `1 / (1 - rate)`), as `keras.layers.Dropout` does
-            to the explicit path's weights; `0` for none.
-        seed: what `keras.random.uniform` takes as `seed` (the layer passes
-            its `SeedGenerator`), used only with `dropout > 0`.
 
     Returns:
         `(B, T, N, V)` in the query's dtype.
 
     `T` and `S` must be known when tracing; `B` may be dynamic.
     """
-    window = _static_int("window", window, minimum=1)
-    query_offset = _static_int("query_offset", query_offset, minimum=0)
-    if block_size is not None:
-        block_size = _static_int("block_size", block_size, minimum=1)
-    dropout = float(dropout)
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(
-            "Argument `dropout` must be in [0, 1). "
-            f"Received: dropout={dropout!r}"
-        )
     if implementation is None:
         implementation = (
-            NATIVE if native_available() and not dropout else PORTABLE
+            NATIVE if native_available() and not spec.dropout else PORTABLE
         )
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -151,59 +120,50 @@ def banded_attention(
             "`implementation='native'` exists only on the torch backend. "
             f"Received: backend={keras.backend.backend()!r}"
         )
-    if implementation == NATIVE and dropout:
+    if implementation == NATIVE and spec.dropout:
         raise ValueError(
             "`implementation='native'` has no dropout (torch's kernel draws "
-            f"from torch's own generator). Received: dropout={dropout}"
+            f"from torch's own generator). Received: dropout={spec.dropout}"
         )
     query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
-    t_len, num_heads = query.shape[1], query.shape[2]
-    s_len, num_kv = key.shape[1], key.shape[2]
+    t_len, s_len = query.shape[1], key.shape[1]
     if t_len is None or s_len is None:
         raise ValueError(
             "`banded_attention` needs static sequence lengths. Received: "
             f"query.shape={query.shape}, key.shape={key.shape}"
         )
-    if num_heads % num_kv:
-        raise ValueError(
-            "The number of key heads must divide the number of query heads. "
-            f"Received: query.shape={query.shape}, key.shape={key.shape}"
-        )
 
     out_dtype = query.dtype
-    query, key, value = attention_lib.upcast(query, key, value)
+    query, key, value = explicit.upcast(query, key, value)
     # The native kernel never writes the scores: one chunk.
     score_bytes = None if implementation == NATIVE else _score_bytes(query)
-    band = _band(
-        t_len, s_len, window, causal, query_offset, block_size, score_bytes
-    )
-    mask = _band_mask(band, query_mask, key_mask)  # (B|1, n, b, span)
+    band = _band(t_len, s_len, spec, block_size, score_bytes)
+    mask = _band_mask(band, spec.query_mask, spec.key_mask)  # (B|1, n, b, span)
     # Without padding masks a query has keys unless it lies more than
-    # w - 1 past the last key: only then is the row check worth its pass.
+    # `left` past the last key: only then is the row check worth its pass.
     has_key = None
     if (
-        query_mask is not None
-        or key_mask is not None
+        spec.has_token_masks
         or s_len == 0
-        or query_offset + band.padded_len - 1 > s_len + window - 2
+        or band.query_offset + band.padded_len > s_len + band.window[0]
     ):
-        has_key = masks_lib.has_any_key(mask)  # (B|1, n, b, 1)
+        mask, has_key = masks_lib.open_empty_rows(mask)  # (B|1, n, b, 1)
     query = _pad_axis1(query, 0, band.padded_len - t_len)  # (B, n·b, N, H)
     if implementation == NATIVE:
-        from keras_mha import _native
+        from keras_mha.attention import kernels
 
-        out = _native.banded_core(query, key, value, mask, has_key, scale, band)
+        out = kernels.banded_core(query, key, value, mask, spec.scale, band)
     else:
         keep = None
-        if dropout:
-            keep = _keep_mask(query, key, band, dropout, seed)
+        if spec.dropout:
+            keep = _keep_mask(query, key, band, spec.dropout, spec.seed)
         out = _portable_core(
-            query, key, value, mask, scale, band, keep, dropout
+            query, key, value, mask, spec.scale, band, keep, spec.dropout
         )
     # out: (B, n·b, N, V); rows with no allowed key are garbage until here.
     if has_key is not None:
-        keep = ops.reshape(has_key, (-1, band.padded_len, 1, 1))
-        out = ops.multiply(out, ops.cast(keep, out.dtype))  # (B|1, n·b, 1, 1)
+        has_key = ops.reshape(has_key, (-1, band.padded_len, 1, 1))
+        out = masks_lib.zero_empty_rows(out, has_key)
     return ops.cast(out[:, :t_len], out_dtype)  # (B, T, N, V)
 
 
@@ -213,7 +173,7 @@ class _Band(
         [
             "t_len",  # T
             "s_len",  # S
-            "window",  # w
+            "window",  # (left, right)
             "causal",
             "query_offset",
             "block",  # b
@@ -261,17 +221,20 @@ class _Band(
         return first, last, first - start, stop - last
 
 
-def _band(t_len, s_len, window, causal, query_offset, block_size, score_bytes):
+def _band(t_len, s_len, spec, block_size, score_bytes):
     """The geometry; chunks of about `CHUNK_BYTES` of scores, or one chunk
     when `score_bytes` (of one query-key pair, all heads) is `None`."""
+    offset = spec.static_offset
+    # Every |p - j| is below T + S + offset: a wider window changes no mask
+    # entry, only the size of the spans.
+    left, right = (min(side, t_len + s_len + offset) for side in spec.window)
+    if spec.causal:
+        right = 0
     if block_size is None:
-        block_size = default_block_size(window, causal)
-    # Every |p - j| is below T + S + offset: a larger window changes no
-    # mask entry, only the size of the spans.
-    reach = min(window, t_len + s_len + query_offset)
+        block_size = default_block_size((left, right))
     block = min(block_size, _round_up_pow2(t_len))
-    before = -(-(reach - 1) // block)  # L
-    after = 0 if causal else before  # R
+    before = -(-left // block)  # L
+    after = -(-right // block)  # R
     span_blocks = before + 1 + after
     num_blocks = -(-t_len // block)
     if score_bytes is None:
@@ -284,14 +247,14 @@ def _band(t_len, s_len, window, causal, query_offset, block_size, score_bytes):
     return _Band(
         t_len=t_len,
         s_len=s_len,
-        window=window,
-        causal=causal,
-        query_offset=query_offset,
+        window=(left, right),
+        causal=spec.causal,
+        query_offset=offset,
         block=block,
         num_chunks=num_chunks,
         chunk=chunk,
         span_blocks=span_blocks,
-        frame_start=query_offset - before * block,
+        frame_start=offset - before * block,
     )
 
 
@@ -383,10 +346,18 @@ def _chunk_attention(band, rate=0.0):
         scores = ops.where(
             m_c[:, None, :, :, None, :],  # (B|1, 1, C, b, 1, span)
             scores,
-            ops.cast(attention_lib.MASKED_LOGIT, scores.dtype),
+            ops.cast(explicit.MASKED_LOGIT, scores.dtype),
         )
         # A row with no allowed key is uniform here; the caller zeroes it.
-        weights = attention_lib.softmax(scores)
+        if keras.backend.backend() == "tensorflow":
+            # TensorFlow's softmax takes at most 5 axes: fold the leading
+            # ones (the softmax is over the last axis alone).
+            shape = ops.shape(scores)
+            weights = ops.reshape(
+                explicit.softmax(ops.reshape(scores, (-1, shape[-1]))), shape
+            )
+        else:
+            weights = explicit.softmax(scores)
         if rate:
             kept = ops.cast(inputs[4], weights.dtype)  # (B, K, C, b, G, span)
             weights = ops.multiply(weights, ops.multiply(kept, 1.0 / (1.0 - rate)))
@@ -501,21 +472,3 @@ def _score_bytes(query):
 
 def _round_up_pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _static_int(name, value, minimum):
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        number = None
-    if (
-        number is None
-        or isinstance(value, bool)
-        or number != value
-        or number < minimum
-    ):
-        raise ValueError(
-            f"Argument `{name}` must be a Python integer >= {minimum}. "
-            f"Received: {name}={value!r}"
-        )
-    return number

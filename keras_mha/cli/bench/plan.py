@@ -21,8 +21,9 @@ import os
 
 import numpy as np
 
-from keras_mha.cli import CLIError
-from keras_mha.cli import read_json
+from keras_mha.cli.common import CLIError
+from keras_mha.cli.common import packaged_matrix
+from keras_mha.cli.common import read_json
 
 BENCH_BACKENDS = ("tensorflow", "jax", "torch")
 MODES = ("forward", "forward_backward")
@@ -84,23 +85,16 @@ _PROFILES = ("quick", "long")
 
 
 def default_config_path():
-    """`configs/bench.json` of the current folder, else of the source tree."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for root in (os.getcwd(), os.path.dirname(here)):
-        path = os.path.join(root, "configs", "bench.json")
-        if os.path.isfile(path):
-            return path
-    return None
+    """The matrix shipped with the package, `matrices/bench.json`."""
+    return packaged_matrix("bench.json")
 
 
 def load_config(path=None, profile=None, overrides=None):
-    """The checked configuration: the file (`configs/bench.json` by
+    """The checked configuration: the file (the packaged `bench.json` by
     default; fields it leaves out take `_DEFAULTS`), then the profile
     (`quick` or `long`, an object of the file), then command-line
     overrides."""
     path = path or default_config_path()
-    if path is None:
-        raise CLIError("no configs/bench.json here; pass --config FILE")
     given = read_json(path, "config")
     where = f"config {path}"
     if not isinstance(given, dict):
@@ -122,7 +116,8 @@ def load_config(path=None, profile=None, overrides=None):
     config = _merge(config, {k: v for k, v in (overrides or {}).items()
                              if v is not None})
     _check(config, where)
-    config["source"] = os.path.abspath(path)
+    config["source"] = (os.path.abspath(path)
+                        if isinstance(path, (str, os.PathLike)) else str(path))
     config["profile"] = profile or "default"
     return config
 

@@ -1,4 +1,4 @@
-"""Backend-specific kernels behind the interfaces of the portable paths.
+"""Backend kernels behind the interfaces of the portable paths (torch).
 
 Only what measurably beats the `keras.ops` version lives here, and each
 function computes exactly what its portable twin computes (the tests run
@@ -10,21 +10,23 @@ torch: `banded_core` hands the blocks of the band to
 `(b, span)` scores of a block to memory. On a 2-core CPU this made the
 banded forward about 2x faster and the backward about 1.5x faster than the
 `keras.ops` version at `T = 16384`, `w = 128` (see `banded.py`).
+
+Imported only on the torch backend, by the paths that use it.
 """
 
 import torch
 
 
-def banded_core(query, key, value, mask, has_key, scale, band):
+def banded_core(query, key, value, mask, scale, band):
     """`banded._portable_core` with torch's fused attention kernel.
 
     Args:
         query: `(B, n·b, N, H)`, float32 or float64.
         key: `(B, S, K, H)`.
         value: `(B, S, K, V)`.
-        mask: boolean `(B|1, n, b, span)`.
-        has_key: boolean `(B|1, n, b, 1)`, whether a row has any key, or
-            `None` when every row has one.
+        mask: boolean `(B|1, n, b, span)`, every row with at least one
+            key (`masks.open_empty_rows`): the kernels answer an empty row
+            with NaN or the mean of the values depending on the version.
         scale: multiplies the logits.
         band: the `banded._Band` geometry.
 
@@ -43,11 +45,6 @@ def banded_core(query, key, value, mask, has_key, scale, band):
     q = q.permute(0, 3, 1, 4, 2, 5).reshape(batch * num_kv, n, groups * b, head)
     k = _spans(key, band)  # (B·K, n, span, H)
     v = _spans(value, band)  # (B·K, n, span, V)
-    if has_key is not None:
-        # The kernels answer rows with nothing to attend to with NaN or the
-        # mean of the values depending on the version: open them (the
-        # caller zeroes them).
-        mask = torch.logical_or(mask, torch.logical_not(has_key))
     mask_batch = mask.shape[0]
     mask = mask[:, None, :, None].expand(mask_batch, num_kv, n, groups, b, span)
     if mask_batch == 1:

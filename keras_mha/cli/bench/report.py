@@ -5,7 +5,8 @@ import math
 import os
 import re
 
-from keras_mha.bench import plan
+from keras_mha.cli.bench import plan
+from keras_mha.cli.common import CLIError
 
 MIB = 2**20
 GIB = 2**30
@@ -590,8 +591,6 @@ def write_plot(path, document):
 
 
 def check_output_folder(folder):
-    from keras_mha.cli import CLIError
-
     folder = os.path.abspath(folder)
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise CLIError(f"--out {folder}: exists and is not a folder")

@@ -1,59 +1,28 @@
-"""`keras-mha bench`: speed and memory of our layer, Keras's and native peers.
-
-For each installed backend (tensorflow, jax, torch; NumPy has no compiler
-and no autodiff and is not benchmarked), T, window w and causal setting of
-`configs/bench.json`, with B=1, N=8, H=64 (E=512), it times the forward and
-forward+backward (gradient of 0.5*sum(y^2) w.r.t. the inputs and the
-weights) of:
-
-- `keras` - `keras.layers.MultiHeadAttention(sliding_window=w)`, whole layer;
-- `ours` - `keras_mha.MultiHeadAttention(sliding_window=w)`, whole layer;
-- `ours_core` - our attention core on projected q, k, v `(B, T, N, H)`:
-  `banded_attention` with a window, the fused path without;
-- `native` - torch `flex_attention` under `torch.compile` with a sliding-
-  window block mask (forward only: no CPU backward; the block-mask build is
-  timed separately), jax `jax.nn.dot_product_attention(is_causal=True,
-  local_window_size=(w-1, 0))`; attention core only.
-
-It also measures each backend's float32 matmul rate (the yardstick of the
-"% matmul" column and of the roofline), and, unless `--no-decode`, the
-per-token decode time of our layer with a rolling cache of w slots against
-a full-length cache. `--long` runs only the long-sequence case (T=262144,
-w=128, ours and ours_core, forward).
-
-Each backend runs in its own worker process (`worker.py`, `backends.py`)
-fed one unit at a time by the parent (`runner.py`), which enforces the
-wall-clock and memory limits; units predicted to pass the time or memory
-cap are skipped (`plan.py`); peak memory is the largest growth of the
-worker's resident memory during the timed calls (`memory.py`). Results are
-reported, never dropped: a unit that did not produce a time says why.
-
-Outputs: a table and the targets of the issues on the terminal, and
-`OUT/bench.json`, `OUT/bench.png` (`OUT/bench-long.json` for `--long`) and
-each worker's stderr in `OUT/worker-<backend>.log`. Exit code 1 if a unit
-ended in an error (a traceback is in the log), 130 if interrupted (what was
-measured is still written).
-"""
+"""`keras-mha bench`: its arguments and the run (see the package's doc)."""
 
 import os
 import platform
 import sys
 import time
 
+from keras_mha.cli.common import CLIError
+from keras_mha.cli.common import backend_installed
+from keras_mha.cli.common import positive_float
+from keras_mha.cli.common import positive_int
+
 DEFAULT_OUT = "bench-out"
 
 
 def add_parser(commands):
     """Registers `bench` on the `keras-mha` subcommand parsers."""
-    from keras_mha import cli
-
     parser = commands.add_parser(
         "bench",
         help="speed and memory: ours vs keras vs native attention",
         description="Times keras_mha.MultiHeadAttention, "
         "keras.layers.MultiHeadAttention and native attention kernels "
         "(forward, forward+backward, peak memory, decode) on each backend, "
-        "each in its own process. Matrix: configs/bench.json.",
+        "each in its own process. Matrix: --config FILE, by default the "
+        "packaged keras_mha/cli/matrices/bench.json.",
     )
     parser.add_argument("--backends", metavar="A,B",
                         help="comma-separated (default: the config's, where "
@@ -62,12 +31,12 @@ def add_parser(commands):
                         help="sequence lengths, e.g. 1024,4096 or 16k")
     parser.add_argument("--windows", metavar="W,W",
                         help="sliding windows, 'none' for no window")
-    parser.add_argument("--repeats", type=cli.positive_int, metavar="N",
+    parser.add_argument("--repeats", type=positive_int, metavar="N",
                         help="timed calls per unit (median)")
-    parser.add_argument("--time-cap", type=cli.positive_float, metavar="S",
+    parser.add_argument("--time-cap", type=positive_float, metavar="S",
                         help="seconds one call may take (predicted from "
                         "shorter T; default 60)")
-    parser.add_argument("--memory-cap", type=cli.positive_float, metavar="GIB",
+    parser.add_argument("--memory-cap", type=positive_float, metavar="GIB",
                         help="GiB one unit may add (default 16)")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny matrix for smoke tests")
@@ -80,15 +49,14 @@ def add_parser(commands):
                         help=f"folder for bench.json and bench.png "
                         f"(default {DEFAULT_OUT})")
     parser.add_argument("--config", metavar="FILE",
-                        help="matrix (default: configs/bench.json)")
+                        help="matrix (default: the packaged "
+                        "keras_mha/cli/matrices/bench.json)")
     return parser
 
 
 def run(args):
     """`keras-mha bench`: returns the exit code."""
-    from keras_mha.bench import plan
-    from keras_mha.cli import CLIError
-    from keras_mha.cli import backend_installed
+    from keras_mha.cli.bench import plan
 
     if args.quick and args.long:
         raise CLIError("--quick and --long exclude each other")
@@ -115,7 +83,7 @@ def run(args):
         raise CLIError("none of the backends "
                        f"{', '.join(config['backends'])} is installed")
     config["backends"] = backends
-    from keras_mha.bench import report
+    from keras_mha.cli.bench import report
 
     out = report.check_output_folder(args.out)
     return _bench(config, out, long_case=args.long, skipped=missing)
@@ -126,9 +94,9 @@ def _bench(config, out, long_case, skipped):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
                                TextColumn, TimeElapsedColumn)
 
-    from keras_mha.bench import plan
-    from keras_mha.bench import report
-    from keras_mha.bench import runner
+    from keras_mha.cli.bench import plan
+    from keras_mha.cli.bench import report
+    from keras_mha.cli.bench import runner
 
     units = {b: plan.units_for(b, config, decode=config["decode"] is not None)
              for b in config["backends"]}
@@ -224,7 +192,7 @@ def _machine():
 
 
 def _memory_method(backends):
-    from keras_mha.bench import memory
+    from keras_mha.cli.bench import memory
 
     methods = sorted({info.get("memory_method") for info in backends.values()
                       if info.get("memory_method")})

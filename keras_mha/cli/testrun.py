@@ -1,11 +1,13 @@
 """`keras-mha test`: the project's `tests/` on each backend, one process each.
 
 Each run is `python -m pytest tests -q -p no:cacheprovider ARGS` in the
-current folder (without `tests` when ARGS name test files) with `KERAS_BACKEND=<backend>` and, where the folder exists,
-`KERAS_HOME=configs/<backend>`. With one job the output streams as it comes;
-with more, each backend's output is printed whole when it finishes. A
-summary line per backend closes the run; any failure (tests failing, no
-tests collected, backend not installed) makes the exit code 1.
+current folder, which must be a source checkout (`tests/` and
+`pyproject.toml`; an installed package has no tests), without `tests` when
+ARGS name test files, with `KERAS_BACKEND=<backend>` and, where the folder
+exists, `KERAS_HOME=configs/<backend>`. With one job the output streams as
+it comes; with more, each backend's output is printed whole when it
+finishes. A summary line per backend closes the run; any failure (tests
+failing, no tests collected, backend not installed) makes the exit code 1.
 """
 
 import importlib.util
@@ -15,6 +17,10 @@ import subprocess
 import sys
 import threading
 import time
+
+from keras_mha.cli.common import CLIError
+from keras_mha.cli.common import backend_env
+from keras_mha.cli.common import backend_installed
 
 DEFAULT_BACKENDS = ("tensorflow", "jax", "torch", "numpy")
 
@@ -79,8 +85,6 @@ def _command(pytest_args, color):
 
 
 def _env(backend, root):
-    from keras_mha.cli import backend_env
-
     env = backend_env(backend, quiet_tensorflow=False)
     env["PYTHONUNBUFFERED"] = "1"  # stream lines as pytest prints them
     home = os.path.join(root, "configs", backend)
@@ -109,12 +113,14 @@ def _finish(job):
 
 def run(backends=None, jobs=1, pytest_args=()):
     """`keras-mha test`: returns the exit code."""
-    from keras_mha.cli import CLIError, backend_installed
-
     root = os.getcwd()
-    if not os.path.isdir(os.path.join(root, "tests")):
-        raise CLIError(f"no tests/ folder in {root}; run this from the "
-                       "project's root")
+    if not (os.path.isdir(os.path.join(root, "tests"))
+            and os.path.isfile(os.path.join(root, "pyproject.toml"))):
+        # An installed package has no tests: they live in the repository.
+        raise CLIError("keras-mha test runs the project's test suite and "
+                       "needs a source checkout (a folder with tests/ and "
+                       "pyproject.toml); run it from the repository root. "
+                       f"Received: cwd={root}")
     if importlib.util.find_spec("pytest") is None:
         raise CLIError('pytest is not installed (pip install "keras-mha[dev]")')
     backends = list(backends or DEFAULT_BACKENDS)

@@ -4,7 +4,8 @@ The parent process starts one worker per backend (`python -m keras_mha
 compare --worker`, with `KERAS_BACKEND` set), shows a progress bar while they
 run and prints one table: rows are cases, columns are backends.
 
-A worker runs every case of the matrix (`configs/compare.json`): it builds
+A worker runs every case of the matrix (`--matrix FILE`, by default
+`matrices/compare.json`, shipped with the package): it builds
 `keras_mha.MultiHeadAttention` with random weights drawn by NumPy (so every
 backend sees the same numbers), gives `keras.layers.MultiHeadAttention` the
 same weights, calls each twice (plain, which takes the fused path, and with
@@ -25,6 +26,14 @@ import tempfile
 import time
 
 import numpy as np
+
+from keras_mha.cli.common import BACKENDS
+from keras_mha.cli.common import CLIError
+from keras_mha.cli.common import backend_env
+from keras_mha.cli.common import backend_installed
+from keras_mha.cli.common import backend_version
+from keras_mha.cli.common import packaged_matrix
+from keras_mha.cli.common import read_json
 
 FLOAT32_TOLERANCE = 1e-5
 MIXED_TOLERANCE = 1e-2
@@ -99,20 +108,12 @@ def reference_attention(weights, query, value, key, allowed):
 
 
 def default_matrix():
-    """`configs/compare.json` of the current folder, else of the source tree."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for root in (os.getcwd(), os.path.dirname(here)):
-        path = os.path.join(root, "configs", "compare.json")
-        if os.path.isfile(path):
-            return path
-    return None
+    """The matrix shipped with the package, `matrices/compare.json`."""
+    return packaged_matrix("compare.json")
 
 
 def load_matrix(path):
     """The cases of a matrix file, defaults filled in and checked."""
-    from keras_mha.cli import CLIError
-    from keras_mha.cli import read_json
-
     matrix = read_json(path, "matrix")
     if not isinstance(matrix, dict) or not isinstance(
         matrix.get("cases"), list
@@ -403,8 +404,6 @@ def worker(matrix_path):
     """`compare --worker`: runs the matrix, one JSON line per case."""
     import keras
 
-    from keras_mha.cli import backend_version
-
     cases = load_matrix(matrix_path or default_matrix())
     backend = keras.backend.backend()
     _emit({"backend": backend, "version": backend_version(backend),
@@ -428,15 +427,14 @@ def _within(outcome, limit):
 
 
 def _start_worker(backend, matrix_path):
-    from keras_mha.cli import backend_env
-
+    """A worker process; `matrix_path` `None` runs the packaged matrix."""
     stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8",
                                     errors="replace")
     env = backend_env(backend)
     env["PYTHONUNBUFFERED"] = "1"
     process = subprocess.Popen(
         [sys.executable, "-m", "keras_mha", "compare", "--worker",
-         "--matrix", matrix_path],
+         *([] if matrix_path is None else ["--matrix", matrix_path])],
         stdout=subprocess.PIPE,
         stderr=stderr,
         env=env,
@@ -488,19 +486,15 @@ def run(backends=None, matrix=None, json_path=None):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
                                TextColumn, TimeElapsedColumn)
 
-    from keras_mha.cli import BACKENDS, CLIError, backend_installed
-
     if backends is None:
         backends = [b for b in BACKENDS if backend_installed(b)]
     for backend in backends:
         if not backend_installed(backend):
             raise CLIError(f"backend {backend!r} is not installed "
                            f'(pip install "keras-mha[{backend}]")')
-    matrix = matrix or default_matrix()
-    if matrix is None:
-        raise CLIError("no configs/compare.json here; pass --matrix FILE")
-    matrix = os.path.abspath(matrix)
-    cases = load_matrix(matrix)  # fail here, not in every worker
+    if matrix is not None:
+        matrix = os.path.abspath(matrix)
+    cases = load_matrix(matrix or default_matrix())  # here, not per worker
     if json_path is not None:
         _check_writable(json_path)
 
@@ -525,7 +519,7 @@ def run(backends=None, matrix=None, json_path=None):
     failed = report(cases, backends, all_results)
     if json_path is not None:
         document = {
-            "matrix": matrix,
+            "matrix": str(matrix or default_matrix()),
             "tolerance": {"float32": FLOAT32_TOLERANCE,
                           "mixed": MIXED_TOLERANCE},
             "error": "max|y - ref| / max(1, max|ref|)",
@@ -542,8 +536,6 @@ def run(backends=None, matrix=None, json_path=None):
 
 
 def _check_writable(path):
-    from keras_mha.cli import CLIError
-
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise CLIError(f"cannot write {path}: {folder} is not a writable "

@@ -14,6 +14,7 @@ from the write index alone; nothing else is stored.
 from keras import ops
 
 
+
 def cache_shape(batch_size, num_slots, num_kv_heads, key_dim, value_dim):
     return (batch_size, num_slots, num_kv_heads, key_dim + value_dim + 1)
 
@@ -79,3 +80,43 @@ def write(cache, key, value, valid, index, rolling):
     written = ops.logical_and(source >= 0, source < length)  # (L,)
     gathered = ops.take(new, ops.clip(source, 0, length - 1), axis=1)
     return ops.where(written[None, :, None, None], gathered, cache)
+
+
+def attend_inputs(cache, key, value, key_mask, index, rolling):
+    """What a call with a cache attends to, and the cache after its write.
+
+    Keys are the cache's slots as they were before this call followed by
+    the new tokens, so a rolling cache can take a prompt longer than its
+    window in one call.
+
+    Args:
+        cache: `(B, L, K, H + V + 1)`.
+        key: the new tokens' keys `(B, T, K, H)`.
+        value: their values `(B, T, K, V)`.
+        key_mask: `None` or boolean `(B, T)`, the new tokens that are real.
+        index: the position of the first new token.
+        rolling: whether slot = position mod L.
+
+    Returns:
+        `(keys, values, keys_valid, key_positions, new_cache)`: keys
+        `(B, L + T, K, H)`, values `(B, L + T, K, V)`, boolean
+        `(B, L + T)`, integer `(L + T,)` (negative: no token) and the cache.
+    """
+    key_dim = key.shape[-1]
+    num_slots, length = cache.shape[1], ops.shape(key)[1]
+    index = ops.cast(index, "int32")
+    old_key, old_value, old_valid = split(cache, key_dim, value.shape[-1])
+    old_positions = slot_positions(index, num_slots, rolling)
+    new_positions = index + ops.arange(length, dtype="int32")
+    new_valid = key_mask
+    if new_valid is None:
+        new_valid = ops.ones(ops.shape(key)[:2], dtype="bool")
+    keys_valid = ops.concatenate(
+        [old_valid, ops.cast(new_valid, "bool")], axis=1
+    )  # (B, L + T)
+    key_positions = ops.concatenate([old_positions, new_positions])
+    keys = ops.concatenate([ops.cast(old_key, key.dtype), key], axis=1)
+    values = ops.concatenate([ops.cast(old_value, value.dtype), value], axis=1)
+    new_cache = write(cache, key, value, new_valid, index, rolling)
+    return keys, values, keys_valid, key_positions, new_cache
+

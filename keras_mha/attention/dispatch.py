@@ -1,0 +1,154 @@
+"""Which attention algorithm runs: the one rule, in one place.
+
+Every path computes the same function of the spec (see `explicit.py`);
+this module answers which paths can serve a call (`can_serve`) and which
+is cheapest (`choose_path`):
+
+1. `banded` when a window is set, the keys sit at their own positions (no
+   cache; the queries' offset is a Python int), no dense `attention_mask` is given, no weights are returned
+   (dropout is fine: the band drops its own weights), and the keys are long
+   compared with the window: `S >= BANDED_MIN_RATIO * w` and
+   `S >= BANDED_MIN_LENGTH`, `w = max(left, right) + 1`. Below that the
+   band covers most of the `T x S` matrix and the fused kernel wins.
+2. `explicit` when the weights are returned or dropped out.
+3. `triangular` on JAX for causal self-attention without a window, dense
+   mask or cache once `T = S >= TRIANGULAR_MIN_LENGTH`: blocks of queries
+   over the keys up to their position skip the upper triangle, and beat
+   JAX's CPU kernel, which computes the whole `T x T` matrix. Not when
+   `flash_attention=True`.
+4. `fused` (`keras.ops.dot_product_attention`) otherwise, or `explicit`
+   where the fused kernel does not take the head sizes (`H != V` on JAX).
+
+A cache (decoding) puts its keys at the positions of their slots, which
+only `fused` and `explicit` serve.
+"""
+
+import collections
+import contextlib
+import contextvars
+
+import keras
+
+from keras_mha.attention import fused
+
+FUSED = "fused"
+EXPLICIT = "explicit"
+BANDED = "banded"
+TRIANGULAR = "triangular"
+PATHS = (FUSED, EXPLICIT, BANDED, TRIANGULAR)
+
+# Measured on a 2-core CPU (see the README's benchmark): the banded path
+# wins once the keys span a few windows.
+BANDED_MIN_RATIO = 4
+BANDED_MIN_LENGTH = 256
+# Measured on a 2-core CPU (JAX, N = 8, H = 64): at T = 1024 the triangle
+# took a third of the fused kernel's time, at T = 512 they were even.
+TRIANGULAR_MIN_LENGTH = 1024
+TRIANGULAR_BACKENDS = ("jax",)
+
+
+class Shapes(
+    collections.namedtuple(
+        "Shapes", ["query_length", "key_length", "key_dim", "value_dim"]
+    )
+):
+    """The static sizes dispatch reads: `T`, `S` (`None` if unknown), `H`,
+    `V`."""
+
+    @classmethod
+    def of(cls, query, key, value):
+        """From projected heads `(B, T, N, H)`, `(B, S, K, H)`, `(B, S, K, V)`."""
+        return cls(query.shape[1], key.shape[1], query.shape[3], value.shape[3])
+
+
+_forced = contextvars.ContextVar("keras_mha_forced_path", default=None)
+
+
+@contextlib.contextmanager
+def force_path(path):
+    """Runs every call in the block on `path` where that path can serve it.
+
+    For tests and benchmarks that compare the paths on the same inputs. A
+    call that `path` cannot serve (`can_serve`) still follows the rule.
+    """
+    if path not in PATHS:
+        raise ValueError(f"`path` must be one of {PATHS}. Received: path={path!r}")
+    token = _forced.set(path)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def banded_pays_off(window, query_length, key_length):
+    """Whether the band `(left, right)` is small enough against `S` to
+    compute it alone."""
+    return (
+        window is not None
+        and query_length is not None
+        and key_length is not None
+        and key_length >= BANDED_MIN_LENGTH
+        and key_length >= BANDED_MIN_RATIO * (max(window) + 1)
+    )
+
+
+def can_serve(path, spec, shapes, backend=None):
+    """Whether `path` computes what `spec` asks for these shapes."""
+    static = shapes.query_length is not None and shapes.key_length is not None
+    if path == EXPLICIT:
+        return True
+    if path == FUSED:
+        return (
+            not spec.return_weights
+            and not spec.dropout
+            and fused.supported(shapes.key_dim, shapes.value_dim, backend)
+        )
+    if path == BANDED:
+        return (
+            spec.window is not None
+            and static
+            and spec.key_positions is None
+            and spec.static_offset is not None
+            and spec.attention_mask is None
+            and not spec.return_weights
+        )
+    if path == TRIANGULAR:
+        return (
+            spec.causal
+            and spec.window is None
+            and static
+            and shapes.query_length == shapes.key_length
+            and spec.keys_at_own_positions
+            and spec.attention_mask is None
+            and not spec.return_weights
+            and not spec.dropout
+            and spec.flash_attention is not True
+        )
+    raise ValueError(f"`path` must be one of {PATHS}. Received: path={path!r}")
+
+
+def choose_path(spec, shapes, backend=None):
+    """The name of the path that runs `spec` at these shapes.
+
+    Args:
+        spec: the call's `AttentionSpec`.
+        shapes: its `Shapes`.
+        backend: backend name; the active one by default.
+    """
+    backend = backend or keras.backend.backend()
+    forced = _forced.get()
+    if forced is not None and can_serve(forced, spec, shapes, backend):
+        return forced
+    if can_serve(BANDED, spec, shapes, backend) and banded_pays_off(
+        spec.window, shapes.query_length, shapes.key_length
+    ):
+        return BANDED
+    if spec.return_weights or spec.dropout:
+        return EXPLICIT
+    if (
+        backend in TRIANGULAR_BACKENDS
+        and can_serve(TRIANGULAR, spec, shapes, backend)
+        and shapes.query_length >= TRIANGULAR_MIN_LENGTH
+    ):
+        return TRIANGULAR
+    return FUSED if can_serve(FUSED, spec, shapes, backend) else EXPLICIT

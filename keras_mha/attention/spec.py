@@ -1,0 +1,117 @@
+"""`AttentionSpec`: what one call asks of attention, as an immutable value.
+
+The layer describes a call once (positions, masks, window, dropout, the
+scale and the features of current models) and hands the spec, with the
+projected heads, to `keras_mha.attention.attend`. The dispatch rule reads
+it to pick an algorithm, and every algorithm builds its masks from it with
+the one position rule of `masks.py`. A new feature is a field here and a few
+lines in each algorithm, never a branch in the layer.
+
+Positions: query `t` sits at `query_offset + t`; key `j` at `j`, or at
+`key_positions[j]` when given (a cache's slots hold other positions).
+"""
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionSpec:
+    """The attention one call asks for, apart from the projected heads.
+
+    Shapes use `B` batch, `N` query heads, `T` queries, `S` keys.
+
+    Attributes:
+        scale: multiplies the logits `q·k`.
+        causal: key `j` is visible from position `p` only if `j <= p`.
+        window: `None`, or `(left, right)`: key `j` is visible from
+            position `p` iff `p - left <= j <= p + right`.
+        query_offset: the position of query 0: a Python int, or a scalar
+            integer tensor (a cache's index).
+        key_positions: `None` (key `j` at position `j`), or an integer
+            tensor `(S,)` of positions; a negative one is never visible.
+        query_mask: `None` or boolean `(B, T)`, `True` = a real query.
+        key_mask: `None` or boolean `(B, S)`, `True` = a real key.
+        attention_mask: `None` or boolean, broadcastable to `(B, N, T, S)`
+            (rank 4), `True` = may attend.
+        dropout: the rate at which attention weights are dropped; 0 for
+            none (inference, or no dropout).
+        seed: what `keras.random` takes as `seed` (the layer's
+            `SeedGenerator`), used with `dropout > 0`.
+        return_weights: whether the caller wants the `(B, N, T, S)` weights.
+        flash_attention: `None` (auto), `True` (require the fused kernel's
+            flash attention) or `False` (never), as
+            `keras.ops.dot_product_attention` takes it.
+        bias, soft_cap, sinks, segment_ids, key_segment_ids, positions:
+            slots for the features of current models (see DESIGN.md,
+            "Features of current models"); `None` until they are filled.
+    """
+
+    scale: float
+    causal: bool = False
+    window: Any = None
+    query_offset: Any = 0
+    key_positions: Any = None
+    query_mask: Any = None
+    key_mask: Any = None
+    attention_mask: Any = None
+    dropout: float = 0.0
+    seed: Any = None
+    return_weights: bool = False
+    flash_attention: Any = None
+    bias: Any = None
+    soft_cap: Any = None
+    sinks: Any = None
+    segment_ids: Any = None
+    key_segment_ids: Any = None
+    positions: Any = None
+
+    def replace(self, **changes):
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def has_token_masks(self):
+        return self.query_mask is not None or self.key_mask is not None
+
+    @property
+    def static_offset(self):
+        """`query_offset` as a Python int, or `None` if it is a tensor."""
+        if isinstance(self.query_offset, numbers.Integral):
+            return int(self.query_offset)
+        return None
+
+    @property
+    def keys_at_own_positions(self):
+        """Whether query `t` sits at `t` and key `j` at `j` (no cache)."""
+        return self.key_positions is None and self.static_offset == 0
+
+    @property
+    def plain_causal(self):
+        """Whether the only mask is top-left causal: a backend's native
+        causal kernel can serve it without a mask tensor."""
+        return (
+            self.causal
+            and self.window is None
+            and self.keys_at_own_positions
+            and not self.has_token_masks
+            and self.attention_mask is None
+        )
+
+
+def window_sides(sliding_window, causal=False):
+    """A layer's `sliding_window` -> `(left, right)`, or `None`.
+
+    `w` is `(w - 1, w - 1)`: `|p - j| < w`, the same as Keras's layer. With
+    `causal` the right side is 0, which the causal mask imposes anyway.
+    """
+    if sliding_window is None:
+        return None
+    left = right = int(sliding_window) - 1
+    return (left, 0 if causal else right)
+
+
+def default_scale(key_dim):
+    return 1.0 / math.sqrt(float(key_dim))

@@ -1,0 +1,39 @@
+"""`keras-mha bench`: speed and memory of our layer, Keras's and native peers.
+
+For each installed backend (tensorflow, jax, torch; NumPy has no compiler
+and no autodiff and is not benchmarked), T, window w and causal setting of
+the matrix (`--config FILE`, by default `matrices/bench.json`, shipped with
+the package), with B=1, N=8, H=64 (E=512), it times the forward and
+forward+backward (gradient of 0.5*sum(y^2) w.r.t. the inputs and the
+weights) of:
+
+- `keras` - `keras.layers.MultiHeadAttention(sliding_window=w)`, whole layer;
+- `ours` - `keras_mha.MultiHeadAttention(sliding_window=w)`, whole layer;
+- `ours_core` - our attention core on projected q, k, v `(B, T, N, H)`:
+  `banded_attention` with a window, what `keras_mha.attention.attend`
+  picks without (fused, or triangular where the dispatch rule says so);
+- `native` - torch `flex_attention` under `torch.compile` with a sliding-
+  window block mask (forward only: no CPU backward; the block-mask build is
+  timed separately), jax `jax.nn.dot_product_attention(is_causal=True,
+  local_window_size=(w-1, 0))`; attention core only.
+
+It also measures each backend's float32 matmul rate (the yardstick of the
+"% matmul" column and of the roofline), and, unless `--no-decode`, the
+per-token decode time of our layer with a rolling cache of w slots against
+a full-length cache. `--long` runs only the long-sequence case (T=262144,
+w=128, ours and ours_core, forward).
+
+The command (`command.py`) runs each backend in its own worker process
+(`worker.py`, `backends.py`) fed one unit at a time by the parent
+(`runner.py`), which enforces the wall-clock and memory limits; units
+predicted to pass the time or memory cap are skipped (`plan.py`); peak
+memory is the largest growth of the worker's resident memory during the
+timed calls (`memory.py`). Results are reported, never dropped: a unit that
+did not produce a time says why.
+
+Outputs: a table and the targets of the issues on the terminal, and
+`OUT/bench.json`, `OUT/bench.png` (`OUT/bench-long.json` for `--long`) and
+each worker's stderr in `OUT/worker-<backend>.log`. Exit code 1 if a unit
+ended in an error (a traceback is in the log), 130 if interrupted (what was
+measured is still written).
+"""

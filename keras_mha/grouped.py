@@ -1,0 +1,112 @@
+"""`keras_mha.GroupedQueryAttention`: `MultiHeadAttention` under the
+constructor and config of `keras.layers.GroupQueryAttention`."""
+
+import keras
+
+from keras_mha import checks
+from keras_mha.layer import MultiHeadAttention
+
+_MHA_ONLY_ARGUMENTS = (
+    "num_heads",
+    "key_dim",
+    "value_dim",
+    "output_shape",
+    "attention_axes",
+)
+
+
+@keras.saving.register_keras_serializable(package="keras_mha")
+class GroupedQueryAttention(MultiHeadAttention):
+    """Grouped-query attention, a drop-in for `keras.layers.GroupQueryAttention`.
+
+    `MultiHeadAttention` with `num_key_value_heads` under the constructor and
+    config of Keras's layer; weights copy both ways.
+
+    Args:
+        head_dim: `H = V`, the size of each head.
+        num_query_heads: `N`.
+        num_key_value_heads: `K`; must divide `num_query_heads`.
+        dropout, use_bias, sliding_window, flash_attention,
+        kernel_initializer, bias_initializer, kernel_regularizer,
+        bias_regularizer, activity_regularizer, kernel_constraint,
+        bias_constraint, use_gate, seed: as for `MultiHeadAttention`.
+
+    Call arguments, returns: as for `MultiHeadAttention`, rank-3 inputs.
+    """
+
+    def __init__(
+        self,
+        head_dim,
+        num_query_heads,
+        num_key_value_heads,
+        dropout=0.0,
+        use_bias=True,
+        sliding_window=None,
+        flash_attention=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        activity_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        use_gate=False,
+        seed=None,
+        **kwargs,
+    ):
+        head_dim = checks.positive_int("head_dim", head_dim)
+        num_query_heads = checks.positive_int(
+            "num_query_heads", num_query_heads
+        )
+        num_key_value_heads = checks.positive_int(
+            "num_key_value_heads", num_key_value_heads
+        )
+        if num_query_heads % num_key_value_heads:
+            raise ValueError(
+                "`num_key_value_heads` must divide `num_query_heads`. "
+                f"Received: num_query_heads={num_query_heads}, "
+                f"num_key_value_heads={num_key_value_heads}"
+            )
+        # `MultiHeadAttention`'s own arguments would be lost by `get_config`.
+        foreign = {k: kwargs[k] for k in _MHA_ONLY_ARGUMENTS if k in kwargs}
+        if foreign:
+            received = ", ".join(f"{k}={v!r}" for k, v in foreign.items())
+            raise ValueError(
+                "`GroupedQueryAttention` does not take "
+                f"{', '.join(f'`{k}`' for k in foreign)} (use "
+                f"`MultiHeadAttention`). Received: {received}"
+            )
+        super().__init__(
+            num_heads=num_query_heads,
+            key_dim=head_dim,
+            num_key_value_heads=num_key_value_heads,
+            dropout=dropout,
+            use_bias=use_bias,
+            sliding_window=sliding_window,
+            flash_attention=flash_attention,
+            kernel_initializer=kernel_initializer,
+            bias_initializer=bias_initializer,
+            kernel_regularizer=kernel_regularizer,
+            bias_regularizer=bias_regularizer,
+            activity_regularizer=activity_regularizer,
+            kernel_constraint=kernel_constraint,
+            bias_constraint=bias_constraint,
+            use_gate=use_gate,
+            seed=seed,
+            **kwargs,
+        )
+
+    @property
+    def head_dim(self):
+        return self._key_dim
+
+    @property
+    def num_query_heads(self):
+        return self._num_heads
+
+    def get_config(self):
+        config = super().get_config()
+        for name in _MHA_ONLY_ARGUMENTS:
+            config.pop(name)
+        config.update(head_dim=self._key_dim, num_query_heads=self._num_heads)
+        return config

@@ -1,0 +1,71 @@
+"""The layer's projections: `keras.layers.EinsumDense` as Keras builds them.
+
+The equations, names, shapes and order are those of
+`keras.layers.MultiHeadAttention`, so `set_weights(keras_layer.get_weights())`
+works both ways, and LoRA, int8 quantization and dtype-policy maps work as
+in Keras.
+"""
+
+import string
+
+import keras
+
+
+def projection_equation(free_dims, bound_dims, output_dims):
+    """EinsumDense equation and bias axes, letter for letter as in Keras.
+
+    Keeping Keras's equations keeps the kernels' shapes, and so
+    `set_weights(keras_layer.get_weights())` works both ways.
+    """
+    letters = string.ascii_lowercase
+    free = letters[:free_dims]
+    bound = letters[free_dims : free_dims + bound_dims]
+    out = letters[free_dims + bound_dims : free_dims + bound_dims + output_dims]
+    return f"{free}{bound},{bound}{out}->{free}{out}", out
+
+
+def heads_projection(layer, rank, num_heads, head_size, name, activation=None):
+    """`(B, ..., E) -> (B, ..., heads, size)` for inputs of `rank`."""
+    equation, bias_axes = projection_equation(rank - 1, 1, 2)
+    projection = keras.layers.EinsumDense(
+        equation,
+        output_shape=[None] * (rank - 2) + [num_heads, head_size],
+        bias_axes=bias_axes if layer.use_bias else None,
+        activation=activation,
+        name=name,
+        **_sublayer_kwargs(layer),
+    )
+    # Per-token projections keep the inputs' Keras masks, which the layer
+    # leaves in place (Keras's layer deletes them instead).
+    projection.supports_masking = True
+    return projection
+
+
+def output_projection(layer, rank, output_shape):
+    """`(B, ..., N, V) -> (B, ..., *output_shape)`."""
+    equation, bias_axes = projection_equation(rank - 1, 2, len(output_shape))
+    return keras.layers.EinsumDense(
+        equation,
+        output_shape=[None] * (rank - 2) + list(output_shape),
+        bias_axes=bias_axes if layer.use_bias else None,
+        name="attention_output",
+        **_sublayer_kwargs(layer),
+    )
+
+
+def _sublayer_kwargs(layer):
+    # Fresh initializer instances: a shared stateless initializer would
+    # give every projection the same values.
+    def clone(initializer):
+        return initializer.__class__.from_config(initializer.get_config())
+
+    return dict(
+        kernel_initializer=clone(layer._kernel_initializer),
+        bias_initializer=clone(layer._bias_initializer),
+        kernel_regularizer=layer._kernel_regularizer,
+        bias_regularizer=layer._bias_regularizer,
+        activity_regularizer=layer._activity_regularizer,
+        kernel_constraint=layer._kernel_constraint,
+        bias_constraint=layer._bias_constraint,
+        dtype=layer.dtype_policy,
+    )

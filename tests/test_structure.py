@@ -1,0 +1,184 @@
+"""The package's structure: the library stands apart from the command line.
+
+The library is every module of `keras_mha` outside `keras_mha/cli/` and
+`keras_mha/__main__.py`. Imports are read from the sources with `ast`, an
+import inside a function counting as much as one at the top, the way
+`../shared/hooks/structure.py` reads them; nothing here compiles.
+"""
+
+import ast
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from conftest import BACKEND
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "keras_mha"
+MAX_LINES = 600
+
+
+def _modules():
+    """Module name -> source file, for every module of the package."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def is_cli(name):
+    return name in ("keras_mha.cli", "keras_mha.__main__") or name.startswith(
+        "keras_mha.cli."
+    )
+
+
+LIBRARY = sorted(name for name in MODULES if not is_cli(name))
+
+
+def imported_names(name):
+    """Every module name that module `name` imports, anywhere in its source.
+
+    `from X import a` imports `X.a` where that is a module of the package,
+    else `X` (for a name `X` defines); relative imports are resolved.
+    """
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if submodule in MODULES else base)
+    return found
+
+
+def import_graph():
+    """Module -> the package's modules it imports.
+
+    Imports of the top package `keras_mha`, whose `__init__` only re-exports
+    its submodules, are left out, as the hook leaves them out.
+    """
+    return {
+        name: {
+            other
+            for other in imported_names(name)
+            if other in MODULES and other not in (name, "keras_mha")
+        }
+        for name in MODULES
+    }
+
+
+def cycles(graph):
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+# ------------------------------------------------------------------ the reader
+
+
+def test_the_reader_sees_every_kind_of_import():
+    parser = imported_names("keras_mha.cli")
+    assert "keras_mha.cli.common" in parser  # at the top
+    assert "keras_mha.cli.demo" in parser  # inside a function
+    assert "keras_mha.cli.common" in imported_names("keras_mha.cli.demo")
+    assert "keras_mha.cli" in imported_names("keras_mha.__main__")
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        ["a", "b", "c"]
+    ]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# ------------------------------------------------------------------ the rules
+
+
+def test_the_library_never_imports_the_command_line():
+    found = sorted(
+        f"{name} imports {other}"
+        for name in LIBRARY
+        for other in imported_names(name)
+        if is_cli(other)
+    )
+    assert found == []
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_no_library_module_is_over_the_limit():
+    lengths = {
+        name: len(MODULES[name].read_text(encoding="utf-8").splitlines())
+        for name in LIBRARY
+    }
+    assert {n: k for n, k in lengths.items() if k > MAX_LINES} == {}
+
+
+_USE_THE_LAYER = """
+import json, sys
+import numpy as np
+import keras_mha
+layer = keras_mha.MultiHeadAttention(num_heads=2, key_dim=4)
+x = np.ones((1, 3, 8), "float32")  # (B, T, E)
+output = layer(x, x, use_causal_mask=True)
+print(json.dumps({
+    "shape": list(output.shape),
+    "cli": sorted(m for m in sys.modules
+                  if m in ("keras_mha.cli", "keras_mha.__main__")
+                  or m.startswith("keras_mha.cli.")),
+}))
+"""
+
+
+def test_using_the_layer_loads_no_command_line_module():
+    # A fresh process: this one may have imported the command line already.
+    result = subprocess.run(
+        [sys.executable, "-c", _USE_THE_LAYER],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, KERAS_BACKEND=BACKEND),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert loaded == {"shape": [1, 3, 8], "cli": []}
