@@ -32,8 +32,8 @@ import functools
 import keras
 from keras import ops
 
-from keras_mha.attention import explicit
-from keras_mha.attention import masks as masks_lib
+import keras_mha.attention.explicit as explicit
+import keras_mha.attention.masks as masks_lib
 
 PORTABLE = "portable"
 NATIVE = "native"
@@ -150,7 +150,7 @@ def banded_attention(
         mask, has_key = masks_lib.open_empty_rows(mask)  # (B|1, n, b, 1)
     query = _pad_axis1(query, 0, band.padded_len - t_len)  # (B, n·b, N, H)
     if implementation == NATIVE:
-        from keras_mha.attention import kernels
+        import keras_mha.attention.kernels as kernels
 
         out = kernels.banded_core(query, key, value, mask, spec.scale, band)
     else:

@@ -29,7 +29,7 @@ import contextvars
 
 import keras
 
-from keras_mha.attention import fused
+import keras_mha.attention.fused as fused
 
 FUSED = "fused"
 EXPLICIT = "explicit"

@@ -14,7 +14,7 @@ import warnings
 import keras
 from keras import ops
 
-from keras_mha.attention import masks as masks_lib
+import keras_mha.attention.masks as masks_lib
 
 # Masked logits are replaced by this before the softmax (float32 scores).
 # Finite, so rows with nothing to attend to stay finite before being zeroed.

@@ -7,8 +7,8 @@ weights and without dropout (the kernels have no seed of ours).
 import keras
 from keras import ops
 
-from keras_mha.attention import explicit
-from keras_mha.attention import masks as masks_lib
+import keras_mha.attention.explicit as explicit
+import keras_mha.attention.masks as masks_lib
 
 
 def supported(key_dim, value_dim, backend=None):

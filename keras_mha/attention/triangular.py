@@ -9,8 +9,8 @@ the numbers and the empty-row rule are the explicit path's.
 
 from keras import ops
 
-from keras_mha.attention import explicit
-from keras_mha.attention import masks as masks_lib
+import keras_mha.attention.explicit as explicit
+import keras_mha.attention.masks as masks_lib
 
 # Queries per block. Measured on the 2-core CPU (JAX, B = 1, N = 8, H = 64):
 # 512 beat 128 and 256 at T = 1024 and 4096.
