@@ -33,6 +33,72 @@ def positive_int(name, value, allow_none=False):
     return int(value)
 
 
+def positive_number(name, value, allow_none=False):
+    """`value` as a Python float `> 0` (finite), or `None`."""
+    if value is None and allow_none:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0.0 < float(value) < float("inf")
+    ):
+        expected = "a positive number" + (" or `None`" if allow_none else "")
+        raise ValueError(
+            f"Argument `{name}` must be {expected}. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def boolean(name, value):
+    """`value` as a Python bool; Python and NumPy booleans only."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"Argument `{name}` must be `True` or `False`. "
+            f"Received: {name}={value!r}"
+        )
+    return bool(value)
+
+
+def sliding_window(value):
+    """`None`, a positive int `w`, or a pair `(left, right)` of ints
+    `>= 0` (a tuple); a JSON list from a config is a pair too."""
+    if value is None:
+        return None
+    message = (
+        "`sliding_window` must be `None`, a positive integer or a pair "
+        "`(left, right)` of non-negative integers. "
+        f"Received: sliding_window={value!r}"
+    )
+
+    def integer(x, low):
+        return (
+            isinstance(x, numbers.Integral)
+            and not isinstance(x, bool)
+            and x >= low
+        )
+
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2 or not all(integer(side, 0) for side in value):
+            raise ValueError(message)
+        return (int(value[0]), int(value[1]))
+    if not integer(value, 1):
+        raise ValueError(message)
+    return int(value)
+
+
+def rotary_embedding(value):
+    """`None`, or a callable layer (`keras_mha.RotaryEmbedding`, or
+    keras-hub's, called as `layer(x, start_index=...)`)."""
+    if value is not None and not callable(value):
+        raise TypeError(
+            "Argument `rotary_embedding` must be `None` or a layer called "
+            "as `layer(x, start_index=...)`, such as "
+            "`keras_mha.RotaryEmbedding()`. "
+            f"Received: rotary_embedding={value!r}"
+        )
+    return value
+
+
 def dropout_rate(value):
     """A dropout rate in `[0, 1)` as a Python float."""
     if (
@@ -208,6 +274,95 @@ def input_shapes(query_shape, value_shape, key_shape, axes):
     return layout
 
 
+def attention_bias(value, query_shape, key_shape, num_heads):
+    """Checks a float `attention_bias` broadcastable to `(B, N, T, S)`."""
+    shape, dtype = shape_and_dtype(value)
+    if "float" not in dtype and "int" not in dtype:
+        raise TypeError(
+            "`attention_bias` must be a float tensor added to the logits "
+            "(pass a boolean mask as `attention_mask`). "
+            f"Received: attention_bias.dtype={dtype}"
+        )
+    target = (query_shape[0], num_heads, query_shape[1], key_shape[1])
+    padded = (1,) * (4 - len(shape)) + shape
+    if len(shape) > 4 or not all(
+        d in (1, None) or t is None or d == t for d, t in zip(padded, target)
+    ):
+        raise ValueError(
+            "`attention_bias` must broadcast to (B, N, T, S) = "
+            f"{target}. Received: attention_bias.shape={shape}"
+        )
+
+
+def segment_ids(name, value, expected):
+    """Checks integer segment ids of shape `expected` (`(B, T)`)."""
+    shape, dtype = shape_and_dtype(value)
+    if "int" not in dtype:
+        raise TypeError(
+            f"`{name}` must be an integer tensor of segment ids. "
+            f"Received: {name}.dtype={dtype}"
+        )
+    if len(shape) != 2 or not dims_agree(shape, expected):
+        raise ValueError(
+            f"`{name}` must have shape (B, length) = {expected}. "
+            f"Received: {name}.shape={shape}"
+        )
+
+
+def feature_arguments(
+    layer, layout, shapes, cache, attention_bias_, segment_ids_,
+    key_segment_ids,
+):
+    """Checks the call arguments of the features of current models."""
+    if layout.multi_axis and (
+        layer._rotary_embedding is not None or layer._use_alibi
+    ):
+        raise ValueError(
+            "`rotary_embedding` and `use_alibi` need a single attention "
+            f"axis. Received: attention_axes={layer._attention_axes}"
+        )
+    given = {
+        "attention_bias": attention_bias_,
+        "segment_ids": segment_ids_,
+        "key_segment_ids": key_segment_ids,
+    }
+    given = {name: x for name, x in given.items() if x is not None}
+    if not given:
+        return
+    names = ", ".join(f"`{name}`" for name in given)
+    if not layout.identity:
+        raise ValueError(
+            f"{names} need inputs of rank 3 (batch, sequence, features). "
+            f"Received: query.shape={shapes['query']}"
+        )
+    if cache is not None:
+        raise ValueError(
+            f"{names} are not supported with a cache: decoding steps read "
+            "the cache's own padding flags and positions. Received: "
+            f"{', '.join(f'{name}=a tensor' for name in given)}, cache=a "
+            "tensor"
+        )
+    query_shape, key_shape = shapes["query"], shapes["key"]
+    if attention_bias_ is not None:
+        attention_bias(attention_bias_, query_shape, key_shape, layer._num_heads)
+    if key_segment_ids is not None and segment_ids_ is None:
+        raise ValueError(
+            "`key_segment_ids` needs `segment_ids` (the queries' ids). "
+            "Received: segment_ids=None"
+        )
+    if segment_ids_ is not None:
+        segment_ids("segment_ids", segment_ids_, query_shape[:2])
+        if key_segment_ids is not None:
+            segment_ids("key_segment_ids", key_segment_ids, key_shape[:2])
+        elif not dims_agree(query_shape[1:2], key_shape[1:2]):
+            raise ValueError(
+                "`segment_ids` alone means the keys share the queries' ids; "
+                "for keys of another length pass `key_segment_ids`. "
+                f"Received: query.shape={query_shape}, "
+                f"key.shape={key_shape}"
+            )
+
+
 def cache_index(index, length, num_slots, rolling):
     """Checks `cache_update_index`: a Python or scalar integer tensor.
 
@@ -320,6 +475,9 @@ def call_arguments(
     use_causal_mask,
     cache,
     cache_update_index,
+    attention_bias=None,
+    segment_ids=None,
+    key_segment_ids=None,
 ):
     """Checks a call of `layer` from shapes and dtypes alone.
 
@@ -364,6 +522,10 @@ def call_arguments(
                 shapes["query"], shapes["key"], layer._num_heads
             ),
         )
+    feature_arguments(
+        layer, layout, shapes, cache, attention_bias, segment_ids,
+        key_segment_ids,
+    )
     if use_causal_mask and layout.multi_axis:
         raise ValueError(
             "`use_causal_mask=True` needs a single attention axis. "
@@ -381,5 +543,5 @@ def call_arguments(
             query, value, key, cache, cache_update_index,
             use_causal_mask, attention_mask, layer._num_key_value_heads,
             layer._key_dim, layer._value_dim,
-            layer._sliding_window if layer.rolling_cache else None,
+            layer._rolling_slots if layer.rolling_cache else None,
         )

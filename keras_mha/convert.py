@@ -22,6 +22,8 @@ import keras
 import numpy as np
 
 from keras_mha import checks
+from keras_mha import host
+from keras_mha import huggingface
 from keras_mha.grouped import GroupedQueryAttention
 from keras_mha.layer import MultiHeadAttention
 
@@ -32,6 +34,10 @@ _BIAS_KEYS = ("in_proj_bias", "out_proj.bias")
 
 def from_torch(module_or_state_dict, **layer_kwargs):
     """Builds a `MultiHeadAttention` from a `torch.nn.MultiheadAttention`.
+
+    Also takes `transformers`' `LlamaAttention`, `MistralAttention`,
+    `Qwen2Attention`, `Gemma2Attention` and `GptOssAttention` (see
+    `keras_mha.huggingface.from_transformers` for what is read).
 
     Query, key and value projections (packed `in_proj_weight`, or
     `q_proj_weight`/`k_proj_weight`/`v_proj_weight` when `kdim`/`vdim`
@@ -45,7 +51,8 @@ def from_torch(module_or_state_dict, **layer_kwargs):
 
     Args:
         module_or_state_dict: a `torch.nn.MultiheadAttention`, or its
-            `state_dict()` (tensors or arrays, keys without a prefix).
+            `state_dict()` (tensors or arrays, keys without a prefix), or
+            one of the `transformers` modules above.
         **layer_kwargs: more `MultiHeadAttention` arguments (`name`,
             `dtype`, `flash_attention`, `dropout`, ...). `num_heads` is
             required with a state dict, which does not record it. Arguments
@@ -63,6 +70,10 @@ def from_torch(module_or_state_dict, **layer_kwargs):
             `add_zero_attn` (no counterpart here), a state dict without
             `num_heads`, or missing, unexpected or misshapen tensors.
     """
+    if huggingface.is_transformers_attention(module_or_state_dict):
+        return huggingface.from_transformers(
+            module_or_state_dict, **layer_kwargs
+        )
     if isinstance(module_or_state_dict, collections.abc.Mapping):
         state = dict(module_or_state_dict)
         if "num_heads" not in layer_kwargs:
@@ -82,14 +93,14 @@ def from_torch(module_or_state_dict, **layer_kwargs):
             )
         layer_kwargs.setdefault("dropout", float(module.dropout))
         state = module.state_dict()
-    state = {name: _to_numpy(tensor) for name, tensor in state.items()}
+    state = {name: host.to_numpy(tensor) for name, tensor in state.items()}
     num_heads = layer_kwargs["num_heads"]
     checks.positive_int("num_heads", num_heads)
     dims = _check_state_dict(state, num_heads)
     embed_dim, key_features, value_features = dims
     head_dim = embed_dim // num_heads
     use_bias = "in_proj_bias" in state
-    if _output_shape(layer_kwargs.get("output_shape")) == (embed_dim,):
+    if host.output_shape(layer_kwargs.get("output_shape")) == (embed_dim,):
         del layer_kwargs["output_shape"]  # the default: the query's size
     _check_fixed_kwargs(
         layer_kwargs,
@@ -233,7 +244,7 @@ def torch_mask_to_keras(key_padding_mask=None, attn_mask=None, num_heads=None):
 
 
 def _keep(mask, name):
-    mask = _to_numpy(mask)
+    mask = host.to_numpy(mask)
     if mask.dtype == bool:
         return np.logical_not(mask)
     blocked = np.isneginf(mask)
@@ -334,7 +345,7 @@ def _check_fixed_kwargs(layer_kwargs, **fixed):
             continue
         given = layer_kwargs[name]
         if name == "output_shape":
-            given, value = _output_shape(given), _output_shape(value)
+            given, value = host.output_shape(given), host.output_shape(value)
         if given != value:
             raise ValueError(
                 f"`{name}` is fixed by the weights to {value!r}. Received: "
@@ -342,19 +353,6 @@ def _check_fixed_kwargs(layer_kwargs, **fixed):
             )
 
 
-def _output_shape(output_shape):
-    if isinstance(output_shape, (tuple, list)) or output_shape is None:
-        return None if output_shape is None else tuple(output_shape)
-    return (output_shape,)
-
-
-def _to_numpy(tensor):
-    if hasattr(tensor, "detach"):  # a torch tensor; NumPy has no bfloat16
-        tensor = tensor.detach().cpu()
-        if str(tensor.dtype) == "torch.bfloat16":
-            tensor = tensor.float()
-        return tensor.numpy()
-    return np.asarray(tensor)
 
 
 def _type_name(obj):

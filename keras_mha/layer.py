@@ -10,12 +10,16 @@ import keras
 from keras import ops
 
 from keras_mha import checks
+from keras_mha import describe as describe_lib
 from keras_mha import projections
 from keras_mha.attention import attend
 from keras_mha.attention import cache as cache_lib
-from keras_mha.attention import dispatch
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
+
+
+def _read_only(attribute, doc=None):
+    return property(lambda self: getattr(self, attribute), doc=doc)
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -38,9 +42,11 @@ class MultiHeadAttention(keras.layers.Layer):
             feature size `E` if `None`.
         attention_axes: axes of the input (not batch, not features) attended
             over; all of them if `None`.
-        sliding_window: `None` or `w`: query position `p` sees keys `j` with
-            `|p - j| < w` (with `use_causal_mask`, the `w` keys up to and
-            including `p`).
+        sliding_window: `None`, `w` or `(left, right)`: with `w`, query
+            position `p` sees keys `j` with `|p - j| < w` (with
+            `use_causal_mask`, the `w` keys up to and including `p`); with
+            `(left, right)`, keys `p - left <= j <= p + right` (causal
+            sets `right` to 0).
         flash_attention: passed to `keras.ops.dot_product_attention`:
             `None` (auto), `True` (require) or `False` (never).
         kernel_initializer, bias_initializer, kernel_regularizer,
@@ -51,6 +57,20 @@ class MultiHeadAttention(keras.layers.Layer):
         seed: seed of the dropout.
         num_key_value_heads: `K`, the number of key/value heads (grouped-query
             attention); must divide `num_heads`. `num_heads` if `None`.
+        rotary_embedding: `None`, or a layer applied to the projected
+            queries and keys `(B, L, heads, H)` as `layer(x,
+            start_index=...)`: `keras_mha.RotaryEmbedding`, or keras-hub's.
+            Queries are rotated at `offset + t`, keys at their own
+            positions; a cache stores rotated keys.
+        scale: the logit scale; `1 / sqrt(key_dim)` if `None`.
+        attn_logits_soft_cap: `None`, or `c > 0`: logits become
+            `c·tanh(logits / c)` after scaling (Gemma 2).
+        use_sinks: adds a trainable weight `sinks` `(num_heads,)`, zeros at
+            first: one logit per head that joins each row's softmax
+            denominator and is then dropped (gpt-oss).
+        use_alibi: adds ALiBi's `-m_h·|p - j|` to the logits, with Press et
+            al.'s slopes (BLOOM's rule when `num_heads` is not a power of
+            two).
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -60,11 +80,19 @@ class MultiHeadAttention(keras.layers.Layer):
         query_mask: `(B, T)`, from the query's Keras mask if not given.
         value_mask: `(B, S)`, from the value's Keras mask if not given.
         key_mask: `(B, S)`, from the key's Keras mask if not given.
-        attention_mask: boolean or integer, `True`/1 = may attend, of shape
-            `(T, S)`, `(1, T, S)`, `(B, 1, S)`, `(B, T, S)` or `(B, N, T, S)`.
+        attention_mask: boolean, integer or float, nonzero = may attend, of
+            shape `(T, S)`, `(1, T, S)`, `(B, 1, S)`, `(B, T, S)` or
+            `(B, N, T, S)`.
         return_attention_scores: also return the attention weights.
         training: whether dropout is applied.
         use_causal_mask: key `j` is visible from query `t` only if `j <= t`.
+        cache, cache_update_index: decoding (see `init_cache`).
+        attention_bias: `None`, or a float tensor broadcastable to
+            `(B, N, T, S)`, added to the logits.
+        segment_ids: `None`, or integer `(B, T)`: a query attends only to
+            keys of its own segment (packed sequences). The keys share the
+            queries' ids unless `key_segment_ids` `(B, S)` is given.
+        key_segment_ids: the keys' segment ids, for cross-attention.
 
     Returns:
         `output` of shape `(B, T, E)` (or `output_shape`), or
@@ -93,6 +121,11 @@ class MultiHeadAttention(keras.layers.Layer):
         use_gate=False,
         seed=None,
         num_key_value_heads=None,
+        rotary_embedding=None,
+        scale=None,
+        attn_logits_soft_cap=None,
+        use_sinks=False,
+        use_alibi=False,
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
@@ -108,16 +141,14 @@ class MultiHeadAttention(keras.layers.Layer):
                 f"num_key_value_heads={num_key_value_heads}"
             )
         dropout = checks.dropout_rate(dropout)
-        if sliding_window is not None:
-            try:
-                sliding_window = checks.positive_int(
-                    "sliding_window", sliding_window
-                )
-            except ValueError:
-                raise ValueError(
-                    "`sliding_window` must be `None` or a positive integer. "
-                    f"Received: sliding_window={sliding_window!r}"
-                ) from None
+        sliding_window = checks.sliding_window(sliding_window)
+        scale = checks.positive_number("scale", scale, allow_none=True)
+        attn_logits_soft_cap = checks.positive_number(
+            "attn_logits_soft_cap", attn_logits_soft_cap, allow_none=True
+        )
+        use_sinks = checks.boolean("use_sinks", use_sinks)
+        use_alibi = checks.boolean("use_alibi", use_alibi)
+        rotary_embedding = checks.rotary_embedding(rotary_embedding)
         flash_attention = checks.flash_attention(flash_attention, dropout)
         super().__init__(**kwargs)
         self.supports_masking = True
@@ -152,61 +183,39 @@ class MultiHeadAttention(keras.layers.Layer):
         self._kernel_constraint = keras.constraints.get(kernel_constraint)
         self._bias_constraint = keras.constraints.get(bias_constraint)
         self.seed = seed
-        self._scale = spec_lib.default_scale(key_dim)
+        self._given_scale = scale
+        self._scale = spec_lib.default_scale(key_dim) if scale is None else scale
+        self._soft_cap = attn_logits_soft_cap
+        self._use_sinks = use_sinks
+        self._use_alibi = use_alibi
+        self._rotary_embedding = rotary_embedding
 
-    # Properties as in Keras. `output_shape` is not one: it would clash with
-    # `Functional.summary()`.
-    @property
-    def num_heads(self):
-        return self._num_heads
-
-    @property
-    def num_key_value_heads(self):
-        return self._num_key_value_heads
-
-    @property
-    def key_dim(self):
-        return self._key_dim
-
-    @property
-    def value_dim(self):
-        return self._value_dim
-
-    @property
-    def dropout(self):
-        return self._dropout
-
-    @property
-    def use_bias(self):
-        return self._use_bias
-
-    @property
-    def attention_axes(self):
-        return self._attention_axes
+    # Read-only properties as in Keras. `output_shape` is not one: it would
+    # clash with `Functional.summary()`.
+    num_heads = _read_only("_num_heads")
+    num_key_value_heads = _read_only("_num_key_value_heads")
+    key_dim = _read_only("_key_dim")
+    value_dim = _read_only("_value_dim")
+    dropout = _read_only("_dropout")
+    use_bias = _read_only("_use_bias")
+    attention_axes = _read_only("_attention_axes")
+    sliding_window = _read_only("_sliding_window")
+    flash_attention = _read_only("_flash_attention")
+    rotary_embedding = _read_only("_rotary_embedding")
+    scale = _read_only("_scale", "The logit scale; `1 / sqrt(key_dim)` if unset.")
+    attn_logits_soft_cap = _read_only("_soft_cap")
+    use_sinks = _read_only("_use_sinks")
+    use_alibi = _read_only("_use_alibi")
+    query_dense = _read_only("_query_dense")
+    key_dense = _read_only("_key_dense")
+    value_dense = _read_only("_value_dense")
+    output_dense = _read_only("_output_dense")
 
     @property
-    def sliding_window(self):
-        return self._sliding_window
-
-    @property
-    def flash_attention(self):
-        return self._flash_attention
-
-    @property
-    def query_dense(self):
-        return self._query_dense
-
-    @property
-    def key_dense(self):
-        return self._key_dense
-
-    @property
-    def value_dense(self):
-        return self._value_dense
-
-    @property
-    def output_dense(self):
-        return self._output_dense
+    def sinks(self):
+        """The `(num_heads,)` sink logits (`use_sinks=True`, once built)."""
+        holder = getattr(self, "_sinks_layer", None)
+        return None if holder is None else holder.sinks
 
     def get_config(self):
         config = {
@@ -243,8 +252,25 @@ class MultiHeadAttention(keras.layers.Layer):
                 self._bias_constraint
             ),
             "seed": self.seed,
+            "rotary_embedding": None
+            if self._rotary_embedding is None
+            else keras.saving.serialize_keras_object(self._rotary_embedding),
+            "scale": self._given_scale,
+            "attn_logits_soft_cap": self._soft_cap,
+            "use_sinks": self._use_sinks,
+            "use_alibi": self._use_alibi,
         }
         return {**super().get_config(), **config}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        rotary = config.get("rotary_embedding")
+        if isinstance(rotary, dict):
+            config["rotary_embedding"] = keras.saving.deserialize_keras_object(
+                rotary
+            )
+        return cls(**config)
 
     # ------------------------------------------------------------------ build
 
@@ -291,6 +317,11 @@ class MultiHeadAttention(keras.layers.Layer):
         self._output_dense.build(
             query_shape[:-1] + (self._num_heads, self._value_dim)
         )
+        if self._use_sinks:  # after Keras's weights, so theirs line up
+            self._sinks_layer = projections.Sinks(
+                self._num_heads, name="sinks", dtype=self.dtype_policy
+            )
+            self._sinks_layer.build()
 
     # ------------------------------------------------------------------- call
 
@@ -308,13 +339,16 @@ class MultiHeadAttention(keras.layers.Layer):
         use_causal_mask=False,
         cache=None,
         cache_update_index=None,
+        attention_bias=None,
+        segment_ids=None,
+        key_segment_ids=None,
     ):
         if key is None:
             key = value
         checks.call_arguments(
             self, query, value, key, query_mask, value_mask, key_mask,
             attention_mask, return_attention_scores, use_causal_mask, cache,
-            cache_update_index,
+            cache_update_index, attention_bias, segment_ids, key_segment_ids,
         )
         layout = self._layout
         gate = self._gate_dense(query) if self._use_gate else None
@@ -331,14 +365,23 @@ class MultiHeadAttention(keras.layers.Layer):
         q = _zero_padding(q, query_tokens)
         k = _zero_padding(k, key_tokens)
         v = _zero_padding(v, key_tokens)
+        if self._rotary_embedding is not None:
+            # New keys sit where the queries do when decoding, else at `j`.
+            start = 0 if cache is None else cache_update_index
+            q = self._rotary_embedding(q, start_index=start)
+            k = self._rotary_embedding(k, start_index=start)
 
-        spec = self._describe(
+        spec = describe_lib.describe(
+            self,
             query_tokens,
             key_tokens,
             layout.attention_mask(attention_mask, query, key, self._num_heads),
             use_causal_mask,
             training,
             return_attention_scores,
+            attention_bias,
+            segment_ids,
+            key_segment_ids,
         )
         new_cache = None
         if cache is not None:
@@ -368,27 +411,6 @@ class MultiHeadAttention(keras.layers.Layer):
             results.append(new_cache)
         return results[0] if len(results) == 1 else tuple(results)
 
-    def _describe(
-        self, query_tokens, key_tokens, dense_mask, use_causal_mask, training,
-        return_attention_scores,
-    ):
-        """The `AttentionSpec` of a call without a cache (see `call`)."""
-        dropout = self._dropout if training else 0.0
-        return spec_lib.AttentionSpec(
-            scale=self._scale,
-            causal=bool(use_causal_mask),
-            window=spec_lib.window_sides(self._sliding_window, use_causal_mask),
-            query_mask=query_tokens,
-            key_mask=key_tokens,
-            attention_mask=dense_mask,
-            dropout=dropout,
-            seed=self._dropout_layer.seed_generator
-            if dropout and self.built
-            else None,
-            return_weights=bool(return_attention_scores),
-            flash_attention=self._flash_attention,
-        )
-
     def attention_path(
         self,
         query_shape,
@@ -403,6 +425,8 @@ class MultiHeadAttention(keras.layers.Layer):
         return_attention_scores=False,
         training=False,
         cache=False,
+        attention_bias=False,
+        segment_ids=False,
     ):
         """The attention path a call would run: one of `dispatch.PATHS`.
 
@@ -416,35 +440,19 @@ class MultiHeadAttention(keras.layers.Layer):
             use_causal_mask, return_attention_scores, training: as in
                 `call`.
             cache: whether the call decodes with a cache.
+            attention_bias, segment_ids: whether each is given.
         """
-        query_shape, value_shape = tuple(query_shape), tuple(value_shape)
-        key_shape = value_shape if key_shape is None else tuple(key_shape)
-        layout = checks.input_shapes(
-            query_shape, value_shape, key_shape, self._attention_axes
+        given = {
+            "query_mask": query_mask,
+            "key_mask": value_mask or key_mask,
+            "attention_mask": attention_mask,
+            "attention_bias": attention_bias,
+            "segment_ids": segment_ids,
+        }
+        return describe_lib.attention_path(
+            self, query_shape, value_shape, key_shape, given, use_causal_mask,
+            return_attention_scores, training, cache,
         )
-        length = layout.sequence_length
-        t_len, s_len = length(query_shape), length(key_shape)
-        batch = query_shape[0]
-
-        def placeholder(given, shape, dtype="bool"):
-            return keras.KerasTensor(shape, dtype=dtype) if given else None
-
-        spec = self._describe(
-            placeholder(query_mask, (batch, t_len)),
-            placeholder(value_mask or key_mask, (batch, s_len)),
-            placeholder(attention_mask, (batch, self._num_heads, t_len, s_len)),
-            use_causal_mask,
-            training,
-            return_attention_scores,
-        )
-        if cache:
-            spec = spec.replace(
-                query_offset=placeholder(True, (), "int32"),
-                key_positions=placeholder(True, (None,), "int32"),
-            )
-            s_len = None
-        shapes = dispatch.Shapes(t_len, s_len, self._key_dim, self._value_dim)
-        return dispatch.choose_path(spec, shapes)
 
     # ------------------------------------------------------------------ cache
 
@@ -452,6 +460,11 @@ class MultiHeadAttention(keras.layers.Layer):
     def rolling_cache(self):
         """Whether the cache is a rolling buffer of `sliding_window` slots."""
         return self._sliding_window is not None
+
+    @property
+    def _rolling_slots(self):
+        """A rolling cache's slots: the keys a causal query sees, `left + 1`."""
+        return spec_lib.window_sides(self._sliding_window, True)[0] + 1
 
     def init_cache(self, batch_size, max_length):
         """A zero key/value cache for decoding up to `max_length` tokens.
@@ -469,7 +482,7 @@ class MultiHeadAttention(keras.layers.Layer):
         """
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_length", max_length)
-        slots = self._sliding_window if self.rolling_cache else max_length
+        slots = self._rolling_slots if self.rolling_cache else max_length
         shape = cache_lib.cache_shape(
             batch_size, slots, self._num_key_value_heads, self._key_dim,
             self._value_dim,
@@ -503,11 +516,14 @@ class MultiHeadAttention(keras.layers.Layer):
         use_causal_mask=False,
         cache=None,
         cache_update_index=None,
+        attention_bias=None,
+        segment_ids=None,
+        key_segment_ids=None,
     ):
         checks.call_arguments(
             self, query, value, key, query_mask, value_mask, key_mask,
             attention_mask, return_attention_scores, use_causal_mask, cache,
-            cache_update_index,
+            cache_update_index, attention_bias, segment_ids, key_segment_ids,
         )
         key_shape = None if key is None else key.shape
         specs = [
@@ -516,26 +532,9 @@ class MultiHeadAttention(keras.layers.Layer):
                 dtype=self.compute_dtype,
             )
         ]
-        if return_attention_scores:
-            layout = checks.input_shapes(
-                tuple(query.shape), tuple(value.shape),
-                tuple((value if key is None else key).shape),
-                self._attention_axes,
-            )
-            scores_shape = layout.scores_shape(
-                tuple(query.shape), tuple(value.shape), self._num_heads
-            )
-            if cache is not None:  # keys: the old slots, then the new tokens
-                scores_shape = scores_shape[:-1] + (
-                    None
-                    if query.shape[1] is None
-                    else cache.shape[1] + query.shape[1],
-                )
-            specs.append(
-                keras.KerasTensor(scores_shape, dtype=self.compute_dtype)
-            )
-        if cache is not None:
-            specs.append(keras.KerasTensor(cache.shape, dtype=cache.dtype))
+        specs += describe_lib.extra_result_specs(
+            self, query, value, key, return_attention_scores, cache
+        )
         return specs[0] if len(specs) == 1 else tuple(specs)
 
 

@@ -69,3 +69,20 @@ def _sublayer_kwargs(layer):
         bias_constraint=layer._bias_constraint,
         dtype=layer.dtype_policy,
     )
+
+
+class Sinks(keras.layers.Layer):
+    """The `(N,)` sink logits (`use_sinks=True`) as a weight named `sinks`.
+
+    A sublayer built after the projections, so the layer's weights are
+    Keras's in Keras's order, then the sinks.
+    """
+
+    def __init__(self, num_heads, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = num_heads
+
+    def build(self, input_shape=None):
+        self.sinks = self.add_weight(
+            name="sinks", shape=(self.num_heads,), initializer="zeros"
+        )

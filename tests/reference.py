@@ -1,7 +1,19 @@
 """An independent float64 NumPy reference of the whole layer.
 
-Loops over nothing clever: project, mask, softmax over the allowed keys
-(rows with none get zeros), weighted sum, gate, output projection.
+Loops over nothing clever: project, rotate (RoPE), score, modify the
+logits (soft-cap, bias, ALiBi), mask, softmax over the allowed keys (with
+a sink logit in the denominator; rows with no key get zeros), weighted
+sum, gate, output projection. The features follow their papers:
+
+- RoPE (Su et al., rotate-half pairing of GPT-NeoX/Llama): the pair
+  `(x_i, x_{i+d/2})` is the complex number `x_i + i·x_{i+d/2}` turned by
+  `e^{i·p·θ_i}`, `θ_i = base^(-2i/d)`, positions divided by a scaling
+  factor;
+- soft-capping (Gemma 2): `c·tanh(logit / c)`;
+- ALiBi (Press et al.): `-m_h·|p - j|`, `m_h` the geometric sequence that
+  starts at `2^(-8/N)` with that ratio, and for `N` not a power of two the
+  sequence of the power of two below, then every other slope of twice it;
+- sinks (gpt-oss): one more logit per head in the softmax, dropped after.
 """
 
 import numpy as np
@@ -32,6 +44,31 @@ def _project(x, kernel, bias):
     return y if bias is None else y + bias
 
 
+def alibi_slopes(num_heads):
+    def power_of_two(n):
+        start = 2.0 ** (-(2.0 ** -(np.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if np.log2(num_heads).is_integer():
+        return np.array(power_of_two(num_heads))
+    closest = 2 ** int(np.floor(np.log2(num_heads)))
+    extra = alibi_slopes(2 * closest)[0::2][: num_heads - closest]
+    return np.array(power_of_two(closest) + list(extra))
+
+
+def rotate(x, positions, max_wavelength=10000.0, scaling_factor=1.0,
+           rotary_dim=None):
+    """RoPE of `x` `(B, L, heads, H)` at `positions` `(L,)`, complex form."""
+    d = x.shape[-1] if rotary_dim is None else rotary_dim
+    half = d // 2
+    theta = max_wavelength ** (-2.0 * np.arange(half) / d)
+    angle = (np.asarray(positions, "float64") / scaling_factor)[:, None] * theta
+    z = (x[..., :half] + 1j * x[..., half:d]) * np.exp(1j * angle)[
+        None, :, None, :
+    ]
+    return np.concatenate([z.real, z.imag, x[..., d:]], axis=-1)
+
+
 def reference_attention(
     weights,
     query,
@@ -44,12 +81,22 @@ def reference_attention(
     use_causal_mask=False,
     sliding_window=None,
     query_offset=0,
+    scale=None,
+    soft_cap=None,
+    attention_bias=None,
+    alibi=False,
+    sinks=None,
+    segment_ids=None,
+    key_segment_ids=None,
+    rotary=None,
 ):
     """Returns `(output, weights)` for rank-3 inputs, in float64.
 
     `attention_mask` is given already broadcastable to `(B, N, T, S)` (or
     `(B, T, S)` / `(T, S)`, which are expanded here). Query `t` sits at
-    position `query_offset + t`.
+    position `query_offset + t`. `sliding_window` is `w` (`|p - j| < w`) or
+    `(left, right)` (`p - left <= j <= p + right`); `rotary` is `None` or
+    the keyword arguments of `rotate`.
     """
     f64 = lambda x: None if x is None else np.asarray(x, dtype="float64")
     query, value = f64(query), f64(value)
@@ -61,14 +108,24 @@ def reference_attention(
     s_len, num_kv = k.shape[1], k.shape[2]
     k = np.repeat(k, num_heads // num_kv, axis=2)  # head n reads n // G
     v = np.repeat(v, num_heads // num_kv, axis=2)
+    if rotary is not None:
+        q = rotate(q, query_offset + np.arange(t_len), **rotary)
+        k = rotate(k, np.arange(s_len), **rotary)
 
     allowed = np.ones((batch, num_heads, t_len, s_len), dtype=bool)
     pos = query_offset + np.arange(t_len)[:, None]
     col = np.arange(s_len)[None, :]
     if use_causal_mask:
         allowed &= col <= pos
-    if sliding_window is not None:
+    if isinstance(sliding_window, (tuple, list)):
+        left, right = sliding_window
+        allowed &= (col >= pos - left) & (col <= pos + right)
+    elif sliding_window is not None:
         allowed &= np.abs(pos - col) < sliding_window
+    if segment_ids is not None:
+        ids = np.asarray(segment_ids)
+        key_ids = ids if key_segment_ids is None else np.asarray(key_segment_ids)
+        allowed &= ids[:, None, :, None] == key_ids[:, None, None, :]
     if query_mask is not None:
         allowed &= np.asarray(query_mask, bool)[:, None, :, None]
     for m in (value_mask, key_mask):
@@ -82,13 +139,26 @@ def reference_attention(
             m = m[:, None]
         allowed &= m
 
-    scores = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(head)
+    scale = 1.0 / np.sqrt(head) if scale is None else scale
+    scores = np.einsum("btnh,bsnh->bnts", q, k) * scale
+    if soft_cap is not None:
+        scores = soft_cap * np.tanh(scores / soft_cap)
+    if attention_bias is not None:
+        scores = scores + np.asarray(attention_bias, "float64")
+    if alibi:
+        scores = scores - alibi_slopes(num_heads)[:, None, None] * np.abs(
+            pos - col
+        )
     probs = np.zeros_like(scores)
     for index in np.ndindex(batch, num_heads, t_len):
         row = allowed[index]
-        if row.any():
-            e = np.exp(scores[index][row] - scores[index][row].max())
-            probs[index][row] = e / e.sum()
+        logits = list(scores[index][row])
+        if sinks is not None:
+            logits.append(float(np.asarray(sinks)[index[1]]))
+        if logits:
+            logits = np.array(logits)
+            e = np.exp(logits - logits.max())
+            probs[index][row] = (e / e.sum())[: row.sum()]
     context = np.einsum("bnts,bsnv->btnv", probs, v)
     if "gate" in weights:
         gate = _project(query, weights["gate"], weights["gate_bias"])

@@ -72,15 +72,23 @@ class TestConfigAndSaving:
 
 class TestTraining:
     # jit_compile=True means torch.compile on torch (about a minute here),
-    # so it runs once, with the window.
+    # so it runs once, with the window and the features of current models
+    # (XLA on TensorFlow and JAX).
     @pytest.mark.training
     @pytest.mark.parametrize(
         "jit_compile, window", [(False, None), (False, 2), (True, 2)]
     )
     def test_fit_one_epoch(self, rng, jit_compile, window):
+        features = {}
+        if jit_compile:
+            features = dict(
+                rotary_embedding=keras_mha.RotaryEmbedding(),
+                attn_logits_soft_cap=5.0, use_sinks=True, use_alibi=True,
+            )
         inputs = keras.Input((8, 6))
         x = keras_mha.MultiHeadAttention(
-            num_heads=2, key_dim=4, dropout=0.1, sliding_window=window
+            num_heads=2, key_dim=4, dropout=0.1, sliding_window=window,
+            **features,
         )(inputs, inputs, use_causal_mask=True)
         outputs = keras.layers.Dense(1)(x)
         model = keras.Model(inputs, outputs)

@@ -17,6 +17,7 @@ import pytest
 from conftest import BACKEND
 from reference import layer_weights
 from util import assert_close
+from util import layer_gradients
 from util import make_layer
 from util import reference
 from util import to_numpy
@@ -148,54 +149,6 @@ class TestHalfPrecision:
 # ---------------------------------------------------------------- gradients
 
 
-def _gradients(layer, query, value, **kwargs):
-    """`d sum(output * c) / d(query, value, *weights)`, as NumPy arrays.
-
-    `c` is a fixed random cotangent, so no output is left out of the loss.
-    """
-    scores = kwargs.get("return_attention_scores", False)
-    first = lambda result: result[0] if scores else result  # noqa: E731
-    shape = tuple(first(layer(query, value, **kwargs)).shape)
-    cotangent = np.random.default_rng(1).normal(size=shape).astype("float32")
-    if BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        q, v = tf.constant(query), tf.constant(value)
-        weights = [w.value for w in layer.trainable_variables]
-        with tf.GradientTape() as tape:
-            tape.watch([q, v])
-            loss = tf.reduce_sum(first(layer(q, v, **kwargs)) * cotangent)
-        grads = tape.gradient(loss, [q, v, *weights])
-    elif BACKEND == "torch":
-        import torch
-
-        q, v = (keras.ops.convert_to_tensor(x).requires_grad_(True)
-                for x in (query, value))
-        weights = [w.value for w in layer.trainable_variables]
-        output = first(layer(q, v, **kwargs))
-        loss = torch.sum(output * torch.as_tensor(cotangent,
-                                                  device=output.device))
-        grads = torch.autograd.grad(loss, [q, v, *weights])
-    elif BACKEND == "jax":
-        import jax
-
-        trainable = [w.value for w in layer.trainable_variables]
-        non_trainable = [w.value for w in layer.non_trainable_variables]
-
-        def loss(trainable, q, v):
-            result, _ = layer.stateless_call(
-                trainable, non_trainable, q, v, **kwargs
-            )
-            return (first(result) * cotangent).sum()
-
-        # One XLA compile for the whole backward pass: op by op, JAX would
-        # compile every primitive of it for these shapes (minutes here).
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        grad_weights, grad_q, grad_v = grad(trainable, query, value)
-        grads = [grad_q, grad_v, *grad_weights]
-    else:
-        raise AssertionError(f"no gradients on {BACKEND}")
-    return [to_numpy(g) for g in grads]
 
 
 # Padding that leaves queries with nothing to attend to, alone or next to a
@@ -231,7 +184,7 @@ class TestGradients:
         query, value = _inputs(rng)
         layer = make_layer(query, value, sliding_window=window, **HEADS)
         with dispatch.force_path(path):
-            grads = _gradients(layer, query, value,
+            grads = layer_gradients(layer, query, value,
                                return_attention_scores=scores, **kwargs)
         for grad in grads:
             assert np.isfinite(grad).all()

@@ -1,8 +1,10 @@
 """Property-based parity: every attention path against the float64 reference.
 
 Hypothesis draws the batch, lengths, head counts and sizes, grouped heads,
-sliding windows, causality, padding masks (with rows and whole batch entries
-that have nothing to attend to) and attention masks; each path that can serve
+sliding windows (`w` and `(left, right)`), causality, padding masks (with
+rows and whole batch entries that have nothing to attend to), attention
+masks, and the features of current models (rotary embeddings, the scale,
+soft-capping, sinks, ALiBi, segment ids, attention biases); each path that can serve
 the call must match `reference_attention` to 1e-5 in float32, and so each
 other.
 
@@ -26,6 +28,7 @@ from util import make_layer
 from util import reference
 from util import to_numpy
 
+import keras_mha
 from keras_mha import attention as attention_lib
 from keras_mha.attention import dispatch
 
@@ -125,22 +128,67 @@ def attention_masks(draw, batch, num_heads, query_length, key_length):
 
 
 @st.composite
+def segments(draw, batch, query_length, key_length):
+    """`(segment_ids, key_segment_ids)`: `None`s, or ids in {0, 1}."""
+    if not draw(st.booleans()):
+        return None, None
+    ids = lambda length: np.array(  # noqa: E731
+        draw(st.lists(st.integers(0, 1), min_size=batch * length,
+                      max_size=batch * length)), "int32"
+    ).reshape(batch, length)
+    query_ids = ids(query_length)
+    if query_length == key_length and draw(st.booleans()):
+        return query_ids, None  # the keys share the queries' ids
+    return query_ids, ids(key_length)
+
+
+@st.composite
+def biases(draw, batch, num_heads, query_length, key_length):
+    """`None`, or a float bias in one of the shapes that broadcast."""
+    shape = draw(st.sampled_from([
+        None, (num_heads, query_length, key_length),
+        (batch, 1, 1, key_length),
+    ]))
+    if shape is None:
+        return None
+    seed = draw(st.integers(0, 2**16))
+    return np.random.default_rng(seed).normal(size=shape).astype("float32")
+
+
+@st.composite
 def attention_cases(draw, self_attention_only=False,
                     ci_geometries=CI_GEOMETRIES):
     """One layer configuration and one call's inputs, as a dict."""
     batch, query_length, key_length, num_heads, num_kv_heads, key_dim, \
         value_dim = draw(geometries(self_attention_only, ci_geometries))
     separate_key = not self_attention_only and draw(st.booleans())
+    longest = max(query_length, key_length)
+    segment_ids, key_segment_ids = (
+        (None, None) if self_attention_only
+        else draw(segments(batch, query_length, key_length))
+    )
     return dict(
+        rotary=key_dim % 2 == 0 and draw(st.booleans()),
+        segment_ids=segment_ids,
+        key_segment_ids=key_segment_ids,
+        attention_bias=None if self_attention_only else draw(
+            biases(batch, num_heads, query_length, key_length)
+        ),
         layer=dict(
             num_heads=num_heads,
             key_dim=key_dim,
             value_dim=value_dim,
             num_key_value_heads=num_kv_heads,
             sliding_window=draw(
-                st.none() | st.integers(1, max(query_length, key_length) + 1)
+                st.none()
+                | st.integers(1, longest + 1)
+                | st.tuples(st.integers(0, longest), st.integers(0, longest))
             ),
             use_gate=draw(st.booleans()),
+            scale=draw(st.none() | st.sampled_from([0.3, 1.5])),
+            attn_logits_soft_cap=draw(st.none() | st.sampled_from([0.5, 4.0])),
+            use_sinks=draw(st.booleans()),
+            use_alibi=draw(st.booleans()),
         ),
         shapes=(batch, query_length, key_length, separate_key),
         use_causal_mask=draw(st.booleans()),
@@ -169,7 +217,12 @@ def _layer_and_inputs(case):
     inputs = [query.astype("float32"), value.astype("float32")]
     if separate_key:
         inputs.append(key.astype("float32"))
-    layer = make_layer(*inputs, seed=case["seed"], **case["layer"])
+    rotary = {}
+    if case["rotary"]:
+        rotary["rotary_embedding"] = keras_mha.RotaryEmbedding(
+            max_wavelength=10.0
+        )
+    layer = make_layer(*inputs, seed=case["seed"], **case["layer"], **rotary)
     return layer, inputs
 
 
@@ -178,7 +231,8 @@ def _build(case):
     layer, inputs = _layer_and_inputs(case)
     kwargs = {
         name: case[name]
-        for name in ("query_mask", "value_mask", "key_mask", "attention_mask")
+        for name in ("query_mask", "value_mask", "key_mask", "attention_mask",
+                     "attention_bias", "segment_ids", "key_segment_ids")
         if case[name] is not None
     }
     kwargs["use_causal_mask"] = case["use_causal_mask"]
@@ -224,7 +278,8 @@ def _expected_path(layer, inputs, kwargs, scores):
     """The path the layer's rule answers for this call (under any forced
     path in effect)."""
     masks = {name: name in kwargs for name in
-             ("query_mask", "value_mask", "key_mask", "attention_mask")}
+             ("query_mask", "value_mask", "key_mask", "attention_mask",
+              "attention_bias", "segment_ids")}
     return layer.attention_path(
         *(x.shape for x in inputs),
         use_causal_mask=kwargs["use_causal_mask"],

@@ -1,6 +1,7 @@
 """Helpers shared by the test files (not tests themselves)."""
 
 import keras
+from conftest import BACKEND
 import numpy as np
 
 import keras_mha
@@ -11,7 +12,14 @@ from reference import layer_weights
 from reference import reference_attention
 
 # Arguments that only keras_mha's layer takes.
-OURS_ONLY = ("num_key_value_heads",)
+OURS_ONLY = (
+    "num_key_value_heads",
+    "rotary_embedding",
+    "scale",
+    "attn_logits_soft_cap",
+    "use_sinks",
+    "use_alibi",
+)
 
 
 def to_numpy(x):
@@ -61,8 +69,23 @@ def make_keras_twin(layer, query, value, key=None):
 
 
 def reference(layer, query, value, key=None, **kwargs):
-    """The float64 reference with the layer's weights and window."""
+    """The float64 reference with the layer's weights, window and features
+    of current models."""
     kwargs.setdefault("sliding_window", layer.sliding_window)
+    kwargs.setdefault("scale", layer.scale)
+    kwargs.setdefault("soft_cap", layer.attn_logits_soft_cap)
+    kwargs.setdefault("alibi", layer.use_alibi)
+    if layer.sinks is not None:
+        kwargs.setdefault("sinks", to_numpy(layer.sinks).astype("float64"))
+    rotary = layer.rotary_embedding
+    if rotary is not None:
+        kwargs.setdefault(
+            "rotary",
+            {
+                name: rotary.get_config()[name]
+                for name in ("max_wavelength", "scaling_factor", "rotary_dim")
+            },
+        )
     return reference_attention(
         layer_weights(layer), query, value, key=key, **kwargs
     )
@@ -83,3 +106,53 @@ def attention_spec(head, window=None, causal=False, **fields):
         window=window_sides(window, causal),
         **fields,
     )
+
+
+def layer_gradients(layer, query, value, **kwargs):
+    """`d sum(output * c) / d(query, value, *weights)`, as NumPy arrays.
+
+    `c` is a fixed random cotangent, so no output is left out of the loss.
+    """
+    scores = kwargs.get("return_attention_scores", False)
+    first = lambda result: result[0] if scores else result  # noqa: E731
+    shape = tuple(first(layer(query, value, **kwargs)).shape)
+    cotangent = np.random.default_rng(1).normal(size=shape).astype("float32")
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        q, v = tf.constant(query), tf.constant(value)
+        weights = [w.value for w in layer.trainable_variables]
+        with tf.GradientTape() as tape:
+            tape.watch([q, v])
+            loss = tf.reduce_sum(first(layer(q, v, **kwargs)) * cotangent)
+        grads = tape.gradient(loss, [q, v, *weights])
+    elif BACKEND == "torch":
+        import torch
+
+        q, v = (keras.ops.convert_to_tensor(x).requires_grad_(True)
+                for x in (query, value))
+        weights = [w.value for w in layer.trainable_variables]
+        output = first(layer(q, v, **kwargs))
+        loss = torch.sum(output * torch.as_tensor(cotangent,
+                                                  device=output.device))
+        grads = torch.autograd.grad(loss, [q, v, *weights])
+    elif BACKEND == "jax":
+        import jax
+
+        trainable = [w.value for w in layer.trainable_variables]
+        non_trainable = [w.value for w in layer.non_trainable_variables]
+
+        def loss(trainable, q, v):
+            result, _ = layer.stateless_call(
+                trainable, non_trainable, q, v, **kwargs
+            )
+            return (first(result) * cotangent).sum()
+
+        # One XLA compile for the whole backward pass: op by op, JAX would
+        # compile every primitive of it for these shapes (minutes here).
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        grad_weights, grad_q, grad_v = grad(trainable, query, value)
+        grads = [grad_q, grad_v, *grad_weights]
+    else:
+        raise AssertionError(f"no gradients on {BACKEND}")
+    return [to_numpy(g) for g in grads]

@@ -33,6 +33,7 @@ import keras
 from keras import ops
 
 import keras_mha.attention.explicit as explicit
+import keras_mha.attention.logits as logits
 import keras_mha.attention.masks as masks_lib
 
 PORTABLE = "portable"
@@ -106,9 +107,15 @@ def banded_attention(
 
     `T` and `S` must be known when tracing; `B` may be dynamic.
     """
+    # torch's kernel takes a mask, not a soft-cap, sinks or ALiBi.
+    plain_logits = (
+        spec.soft_cap is None and spec.sinks is None and spec.alibi is None
+    )
     if implementation is None:
         implementation = (
-            NATIVE if native_available() and not spec.dropout else PORTABLE
+            NATIVE
+            if native_available() and not spec.dropout and plain_logits
+            else PORTABLE
         )
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -125,6 +132,12 @@ def banded_attention(
             "`implementation='native'` has no dropout (torch's kernel draws "
             f"from torch's own generator). Received: dropout={spec.dropout}"
         )
+    if implementation == NATIVE and not plain_logits:
+        raise ValueError(
+            "`implementation='native'` has no soft-cap, sinks or ALiBi. "
+            f"Received: soft_cap={spec.soft_cap}, "
+            f"sinks={spec.sinks is not None}, alibi={spec.alibi is not None}"
+        )
     query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
     t_len, s_len = query.shape[1], key.shape[1]
     if t_len is None or s_len is None:
@@ -138,7 +151,7 @@ def banded_attention(
     # The native kernel never writes the scores: one chunk.
     score_bytes = None if implementation == NATIVE else _score_bytes(query)
     band = _band(t_len, s_len, spec, block_size, score_bytes)
-    mask = _band_mask(band, spec.query_mask, spec.key_mask)  # (B|1, n, b, span)
+    mask = _band_mask(band, spec)  # (B|1, n, b, span)
     # Without padding masks a query has keys unless it lies more than
     # `left` past the last key: only then is the row check worth its pass.
     has_key = None
@@ -158,7 +171,7 @@ def banded_attention(
         if spec.dropout:
             keep = _keep_mask(query, key, band, spec.dropout, spec.seed)
         out = _portable_core(
-            query, key, value, mask, spec.scale, band, keep, spec.dropout
+            query, key, value, mask, spec, band, keep
         )
     # out: (B, n·b, N, V); rows with no allowed key are garbage until here.
     if has_key is not None:
@@ -271,9 +284,7 @@ def _keep_mask(query, key, band, rate, seed):
     return ops.greater_equal(draws, ops.cast(rate, draws.dtype))
 
 
-def _portable_core(
-    query, key, value, mask, scale, band, keep=None, rate=0.0
-):
+def _portable_core(query, key, value, mask, spec, band, keep=None):
     """Attention of every query block over its span, in `keras.ops`.
 
     The blocks go through a loop a chunk at a time, so the scores of only
@@ -289,8 +300,9 @@ def _portable_core(
         key: `(B, S, K, H)`.
         value: `(B, S, K, V)`.
         mask: `(B|1, n, b, span)`.
+        spec: the call's `AttentionSpec` (its scale, dropout rate,
+            soft-cap, ALiBi and sinks).
         keep: `None`, or the dropout mask of `_keep_mask`.
-        rate: the dropout rate `keep` was drawn with.
 
     Returns:
         `(B, n·b, N, V)`.
@@ -300,7 +312,7 @@ def _portable_core(
     num_kv, value_head = key.shape[2], value.shape[3]
     groups = num_heads // num_kv
     c, chunk, b = band.num_chunks, band.chunk, band.block
-    q = ops.multiply(query, ops.cast(scale, query.dtype))
+    q = ops.multiply(query, ops.cast(spec.scale, query.dtype))
     q = ops.reshape(q, (batch, c, chunk, b, num_kv, groups, head))
     q = ops.transpose(q, (1, 0, 4, 2, 3, 5, 6))  # (c, B, K, C, b, G, H)
     k = _chunk_windows(_frame(key, band), band)  # (c, B, K, C+L+R, b, H)
@@ -311,27 +323,59 @@ def _portable_core(
     inputs = (q, k, v, m)
     if keep is not None:
         inputs += (keep,)
-    attend = _chunk_attention(band, rate)
+    # What every chunk reads whole: ALiBi's term and the sinks (zeros when
+    # unused), carried through the loop unchanged.
+    constants = (
+        _alibi_term(band, spec.alibi, num_kv, groups, q.dtype),
+        _sinks(spec.sinks, num_kv, groups, q.dtype),
+    )
+    attend = _chunk_attention(
+        band, spec.dropout if keep is not None else 0.0, spec.soft_cap,
+        spec.alibi is not None, spec.sinks is not None,
+    )
     if c == 1:
-        _, out = attend(None, tuple(x[0] for x in inputs))
+        _, out = attend(constants, tuple(x[0] for x in inputs))
         out = ops.expand_dims(out, 0)
     elif keras.backend.backend() == "jax":
         # `lax.map` wraps `attend` in a fresh closure, so every eager call
         # would retrace and recompile the loop; `lax.scan` caches its trace
         # on the function, which `_chunk_attention` keeps per geometry.
-        _, out = ops.scan(attend, ops.zeros(()), inputs)
+        _, out = ops.scan(attend, constants, inputs)
     else:
         # Keras's TensorFlow `scan` wants outputs shaped like the carry.
-        out = ops.map(lambda chunk: attend(None, chunk)[1], inputs)
+        out = ops.map(lambda chunk: attend(constants, chunk)[1], inputs)
     # out: (c, B, K, C, b, G, V)
     out = ops.transpose(out, (1, 0, 3, 4, 2, 5, 6))  # (B, c, C, b, K, G, V)
     return ops.reshape(out, (batch, band.padded_len, num_heads, value_head))
 
 
+def _alibi_term(band, slopes, num_kv, groups, dtype):
+    """`(1, K, 1, b, G, span)`: ALiBi's `-m_h·|p - j|` for every block (the
+    distance of query row `r` and span key `s` is the same in each)."""
+    if slopes is None:
+        return ops.zeros((), dtype)
+    before = band.query_offset - band.frame_start  # L·b
+    distance = ops.subtract(
+        ops.reshape(ops.arange(band.block, dtype="int32") + before, (-1, 1)),
+        ops.reshape(ops.arange(band.span, dtype="int32"), (1, -1)),
+    )  # (b, span)
+    slopes = ops.reshape(
+        ops.convert_to_tensor(slopes, dtype), (1, num_kv, 1, 1, groups, 1)
+    )
+    return logits.alibi(slopes, distance[:, None, :], dtype)
+
+
+def _sinks(sinks, num_kv, groups, dtype):
+    """`(1, K, 1, 1, G, 1)`: each query head's sink logit (or a zero)."""
+    if sinks is None:
+        return ops.zeros((), dtype)
+    return ops.reshape(ops.cast(sinks, dtype), (1, num_kv, 1, 1, groups, 1))
+
+
 @functools.lru_cache(maxsize=64)
-def _chunk_attention(band, rate=0.0):
-    """The attention of one chunk, one function object per geometry and
-    dropout rate.
+def _chunk_attention(band, rate, soft_cap, use_alibi, use_sinks):
+    """The attention of one chunk, one function object per geometry,
+    dropout rate and choice of logit features.
 
     `jax.lax.scan` caches its trace on the function object: a fresh closure
     per call would retrace and recompile the loop on every eager call.
@@ -339,25 +383,24 @@ def _chunk_attention(band, rate=0.0):
 
     def attend(carry, inputs):
         q_c, k_c, v_c, m_c = inputs[:4]
+        alibi, sinks = carry
         k_c = _chunk_spans(k_c, band)  # (B, K, C, span, H)
         v_c = _chunk_spans(v_c, band)  # (B, K, C, span, V)
         scores = ops.einsum("bkcrgh,bkcsh->bkcrgs", q_c, k_c)
         # scores: (B, K, C, b, G, span)
-        scores = ops.where(
-            m_c[:, None, :, :, None, :],  # (B|1, 1, C, b, 1, span)
-            scores,
-            ops.cast(explicit.MASKED_LOGIT, scores.dtype),
-        )
-        # A row with no allowed key is uniform here; the caller zeroes it.
-        if keras.backend.backend() == "tensorflow":
-            # TensorFlow's softmax takes at most 5 axes: fold the leading
-            # ones (the softmax is over the last axis alone).
-            shape = ops.shape(scores)
-            weights = ops.reshape(
-                explicit.softmax(ops.reshape(scores, (-1, shape[-1]))), shape
-            )
+        scores = logits.soft_cap(scores, soft_cap)
+        if use_alibi:
+            scores = ops.add(scores, alibi)
+        m_c = m_c[:, None, :, :, None, :]  # (B|1, 1, C, b, 1, span)
+        # A row with no allowed key is uniform (or all on its sink) here;
+        # the caller zeroes it.
+        if use_sinks:
+            weights = logits.weights(scores, m_c, sinks)
         else:
-            weights = explicit.softmax(scores)
+            scores = ops.where(
+                m_c, scores, ops.cast(logits.MASKED_LOGIT, scores.dtype)
+            )
+            weights = _softmax(scores)
         if rate:
             kept = ops.cast(inputs[4], weights.dtype)  # (B, K, C, b, G, span)
             weights = ops.multiply(weights, ops.multiply(kept, 1.0 / (1.0 - rate)))
@@ -365,6 +408,18 @@ def _chunk_attention(band, rate=0.0):
         return carry, out  # (B, K, C, b, G, V)
 
     return attend
+
+
+def _softmax(scores):
+    """`logits.softmax` of scores of any rank."""
+    if keras.backend.backend() != "tensorflow":
+        return logits.softmax(scores)
+    # TensorFlow's softmax takes at most 5 axes: fold the leading ones (the
+    # softmax is over the last axis alone).
+    shape = ops.shape(scores)
+    return ops.reshape(
+        logits.softmax(ops.reshape(scores, (-1, shape[-1]))), shape
+    )
 
 
 def _chunk_windows(x, band):
@@ -401,8 +456,10 @@ def _chunk_spans(x, band):
     return ops.concatenate(shifted, axis=3)
 
 
-def _band_mask(band, query_mask, key_mask):
-    """`(B|1, n, b, span)`: which key of its span each query may attend to."""
+def _band_mask(band, spec):
+    """`(B|1, n, b, span)`: which key of its span each query may attend to
+    (positions, padding and segments)."""
+    query_mask, key_mask = spec.query_mask, spec.key_mask
     n, b = band.num_blocks, band.block
     # Query row r of block i sits at offset + i·b + r and key s of its span
     # at frame_start + i·b + s: their distance does not depend on i, so
@@ -433,6 +490,14 @@ def _band_mask(band, query_mask, key_mask):
         key_mask = _frame(ops.cast(key_mask, "bool"), band)  # (B, F)
         key_mask = _block_spans(key_mask, band)[:, :, None, :]  # (B, n, 1, span)
         mask = ops.logical_and(mask, key_mask)
+    if spec.segment_ids is not None:
+        query_ids = _pad_axis1(
+            spec.segment_ids, 0, band.padded_len - band.t_len
+        )
+        query_ids = ops.reshape(query_ids, (-1, n, b, 1))  # (B, n, b, 1)
+        key_ids = _block_spans(_frame(spec.key_segment_ids, band), band)
+        key_ids = key_ids[:, :, None, :]  # (B, n, 1, span); padding masked
+        mask = ops.logical_and(mask, ops.equal(query_ids, key_ids))
     return mask
 
 

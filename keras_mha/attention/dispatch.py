@@ -5,8 +5,10 @@ this module answers which paths can serve a call (`can_serve`) and which
 is cheapest (`choose_path`):
 
 1. `banded` when a window is set, the keys sit at their own positions (no
-   cache; the queries' offset is a Python int), no dense `attention_mask` is given, no weights are returned
-   (dropout is fine: the band drops its own weights), and the keys are long
+   cache; the queries' offset is a Python int), no dense `attention_mask`
+   or `attention_bias` is given, no weights are returned (dropout,
+   soft-cap, sinks, ALiBi and segment ids are fine: the band computes them
+   block by block), and the keys are long
    compared with the window: `S >= BANDED_MIN_RATIO * w` and
    `S >= BANDED_MIN_LENGTH`, `w = max(left, right) + 1`. Below that the
    band covers most of the `T x S` matrix and the fused kernel wins.
@@ -17,7 +19,8 @@ is cheapest (`choose_path`):
    JAX's CPU kernel, which computes the whole `T x T` matrix. Not when
    `flash_attention=True`.
 4. `fused` (`keras.ops.dot_product_attention`) otherwise, or `explicit`
-   where the fused kernel does not take the head sizes (`H != V` on JAX).
+   where the fused kernel does not take the head sizes (`H != V` on JAX)
+   or the call has a soft-cap (the kernels have it only on TPUs).
 
 A cache (decoding) puts its keys at the positions of their slots, which
 only `fused` and `explicit` serve.
@@ -101,6 +104,7 @@ def can_serve(path, spec, shapes, backend=None):
         return (
             not spec.return_weights
             and not spec.dropout
+            and spec.soft_cap is None
             and fused.supported(shapes.key_dim, shapes.value_dim, backend)
         )
     if path == BANDED:
@@ -110,6 +114,7 @@ def can_serve(path, spec, shapes, backend=None):
             and spec.key_positions is None
             and spec.static_offset is not None
             and spec.attention_mask is None
+            and spec.bias is None
             and not spec.return_weights
         )
     if path == TRIANGULAR:

@@ -9,16 +9,11 @@ float16/bfloat16 are computed in float32 and cast back, so large
 activations cannot overflow.
 """
 
-import warnings
-
 import keras
 from keras import ops
 
+import keras_mha.attention.logits as logits
 import keras_mha.attention.masks as masks_lib
-
-# Masked logits are replaced by this before the softmax (float32 scores).
-# Finite, so rows with nothing to attend to stay finite before being zeroed.
-MASKED_LOGIT = -1e30
 
 _HALF_DTYPES = ("float16", "bfloat16")
 
@@ -29,26 +24,6 @@ def upcast(*tensors):
         ops.cast(x, "float32") if ops.dtype(x) in _HALF_DTYPES else x
         for x in tensors
     ]
-
-
-def softmax(scores):
-    """`ops.softmax` over the last axis, without Keras's warning for an axis
-    of size 1: one key (`S = 1`) is a valid input here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", "You are using a softmax over axis", UserWarning
-        )
-        return ops.softmax(scores, axis=-1)
-
-
-def masked_softmax(scores, mask):
-    """Softmax over the last axis; masked keys and empty rows get 0."""
-    if mask is None:
-        return softmax(scores)
-    scores = ops.where(mask, scores, ops.cast(MASKED_LOGIT, scores.dtype))
-    weights = softmax(scores)
-    # A row whose keys are all masked is uniform here; the product zeroes it.
-    return ops.multiply(weights, ops.cast(mask, weights.dtype))
 
 
 def explicit_attention(query, key, value, spec):
@@ -64,14 +39,20 @@ def explicit_attention(query, key, value, spec):
         `(output, weights)`: `(B, T, N, V)` in the query's dtype and the
         attention weights `(B, N, T, S)` before dropout.
     """
-    mask = masks_lib.spec_mask(
-        spec, ops.shape(query)[1], ops.shape(key)[1]
+    t_len, s_len = ops.shape(query)[1], ops.shape(key)[1]
+    mask = masks_lib.spec_mask(spec, t_len, s_len)
+    return masked_attention(
+        query, key, value, mask, spec, masks_lib.positions(spec, t_len, s_len),
+        spec.bias,
     )
-    return masked_attention(query, key, value, mask, spec)
 
 
-def masked_attention(query, key, value, mask, spec):
-    """`explicit_attention` with the mask already built (`None` = all)."""
+def masked_attention(query, key, value, mask, spec, positions, bias):
+    """`explicit_attention` with the mask already built (`None` = all).
+
+    `positions` are the queries' and keys' `(T,)` and `(S,)` positions and
+    `bias` the spec's bias for them (see `logits.dense_term`).
+    """
     out_dtype = query.dtype
     query, key, value = upcast(query, key, value)
     num_heads, num_kv_heads = query.shape[2], key.shape[2]
@@ -91,7 +72,14 @@ def masked_attention(query, key, value, mask, spec):
         scores = ops.reshape(
             scores, (batch, num_heads, t_len, s_len)
         )  # (B, N, T, S)
-    weights = masked_softmax(scores, mask)
+    scores = logits.soft_cap(scores, spec.soft_cap)
+    scores = logits.add(
+        scores, logits.dense_term(spec, *positions, bias, scores.dtype)
+    )
+    sinks = None
+    if spec.sinks is not None:
+        sinks = ops.reshape(spec.sinks, (1, num_heads, 1, 1))
+    weights = logits.weights(scores, mask, sinks)
     dropped = weights
     if spec.dropout:
         dropped = keras.random.dropout(weights, spec.dropout, seed=spec.seed)

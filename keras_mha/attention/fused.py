@@ -8,6 +8,7 @@ import keras
 from keras import ops
 
 import keras_mha.attention.explicit as explicit
+import keras_mha.attention.logits as logits
 import keras_mha.attention.masks as masks_lib
 
 
@@ -22,43 +23,94 @@ def fused_attention(query, key, value, spec):
 
     A spec whose only mask is top-left causal goes to the backend's native
     causal kernel (`is_causal=True`, no mask tensor); any other mask is
-    built by `masks.spec_mask` and passed whole.
+    built by `masks.spec_mask` and passed whole. A bias or ALiBi is passed
+    as the kernel's `bias`, with the mask folded in (torch's kernel takes
+    one or the other). Sinks become one more key of zeros whose logit is
+    the head's sink: it joins every row's denominator and adds nothing to
+    the output. The kernels have no soft-cap off TPUs (see
+    `dispatch.can_serve`).
 
     Args:
         query: `(B, T, N, H)`.
         key: `(B, S, K, H)`.
         value: `(B, S, K, V)`.
-        spec: the `AttentionSpec` of the call (no dropout, no weights).
+        spec: the `AttentionSpec` of the call (no dropout, no weights, no
+            soft-cap).
 
     Returns:
         `(B, T, N, V)` in the query's dtype.
     """
     out_dtype = query.dtype
     query, key, value = explicit.upcast(query, key, value)
-    groups = query.shape[2] // key.shape[2]
+    num_heads = query.shape[2]
+    groups = num_heads // key.shape[2]
     if groups > 1 and keras.backend.backend() != "jax":
         # Only JAX's kernel takes grouped heads on every K: Keras's
         # TensorFlow kernel fails for K == 1, its NumPy one for K > 1 (and
         # its torch one repeats the heads itself).
         key = ops.repeat(key, groups, axis=2)  # (B, S, N, H)
         value = ops.repeat(value, groups, axis=2)  # (B, S, N, V)
+    t_len, s_len = ops.shape(query)[1], ops.shape(key)[1]
+    term = logits.dense_term(
+        spec, *masks_lib.positions(spec, t_len, s_len), spec.bias, query.dtype
+    )  # (B|1, N|1, T, S) or None
+    native_causal = (
+        spec.plain_causal and term is None and spec.sinks is None
+    )
     mask = has_key = None
-    if not spec.plain_causal:
-        mask = masks_lib.spec_mask(
-            spec, ops.shape(query)[1], ops.shape(key)[1]
+    if not native_causal:
+        mask = masks_lib.spec_mask(spec, t_len, s_len)
+    if spec.sinks is not None:
+        key, value, mask, term = _with_sink_key(
+            query, key, value, mask, term, spec.sinks
         )
-    if mask is not None:
+    elif mask is not None:
         mask, has_key = masks_lib.open_empty_rows(mask)  # has_key (B|1, N|1, T, 1)
+    if term is not None and mask is not None:
+        term = ops.where(mask, term, ops.cast(logits.MASKED_LOGIT, term.dtype))
+        mask = None
     output = ops.dot_product_attention(
         query,
         key,
         value,
+        bias=term,
         mask=mask,
         scale=spec.scale,
-        is_causal=spec.plain_causal,
+        is_causal=native_causal,
         flash_attention=spec.flash_attention,
     )  # (B, T, N, V)
     if has_key is not None:
         has_key = ops.transpose(has_key, (0, 2, 1, 3))  # (B|1, T, N|1, 1)
         output = masks_lib.zero_empty_rows(output, has_key)
     return ops.cast(output, out_dtype)
+
+
+def _with_sink_key(query, key, value, mask, term, sinks):
+    """Keys and values with one more of zeros, and the mask and term with
+    its column: always visible, logit = the head's sink (`q·0 = 0`)."""
+    batch, t_len = ops.shape(query)[0], ops.shape(query)[1]
+    num_heads = query.shape[2]
+    key = _pad_one(key)  # (B, S + 1, K|N, H)
+    value = _pad_one(value)  # (B, S + 1, K|N, V)
+    s_len = ops.shape(key)[1] - 1
+    lead = 1
+    for x in (mask, term):
+        if x is not None and x.shape[0] != 1:
+            lead = batch
+    if term is None:
+        term = ops.zeros((1, 1, 1, 1), query.dtype)
+    term = ops.broadcast_to(term, (lead, num_heads, t_len, s_len))
+    sink = ops.broadcast_to(
+        ops.reshape(ops.cast(sinks, query.dtype), (1, num_heads, 1, 1)),
+        (lead, num_heads, t_len, 1),
+    )
+    term = ops.concatenate([term, sink], axis=-1)  # (B|1, N, T, S + 1)
+    if mask is not None:
+        mask = ops.broadcast_to(mask, (lead, mask.shape[1], t_len, s_len))
+        visible = ops.ones((lead, mask.shape[1], t_len, 1), "bool")
+        mask = ops.concatenate([mask, visible], axis=-1)
+    return key, value, mask, term
+
+
+def _pad_one(x):
+    return ops.pad(x, [(0, 0), (0, 1), (0, 0), (0, 0)])

@@ -68,6 +68,13 @@ def combine_masks(*masks):
     return result
 
 
+def segment_mask(query_segments, key_segments):
+    """`(B, 1, T, S)`: a query sees only keys of its own segment id."""
+    return ops.equal(
+        query_segments[:, None, :, None], key_segments[:, None, None, :]
+    )
+
+
 def spec_mask(spec, query_length, key_length, query_start=None):
     """The whole mask a spec asks for, `(B|1, N|1, T, S)`, or `None`.
 
@@ -82,6 +89,7 @@ def spec_mask(spec, query_length, key_length, query_start=None):
     query_mask, key_mask, dense = (
         spec.query_mask, spec.key_mask, spec.attention_mask
     )
+    query_segments, key_segments = spec.segment_ids, spec.key_segment_ids
     if query_start is not None:
         stop = start + query_length
         if query_mask is not None:
@@ -89,14 +97,29 @@ def spec_mask(spec, query_length, key_length, query_start=None):
         if key_mask is not None:
             key_mask = key_mask[:, :key_length]
         if dense is not None:
-            rows = slice(None) if dense.shape[2] == 1 else slice(start, stop)
-            cols = slice(None) if dense.shape[3] == 1 else slice(0, key_length)
-            dense = dense[:, :, rows, cols]
-    return combine_masks(padding_mask(query_mask, key_mask), dense, positional)
+            dense = block(dense, start, stop, key_length)
+        if query_segments is not None:
+            query_segments = query_segments[:, start:stop]
+            key_segments = key_segments[:, :key_length]
+    segments = None
+    if query_segments is not None:
+        segments = segment_mask(query_segments, key_segments)
+    return combine_masks(
+        padding_mask(query_mask, key_mask), dense, segments, positional
+    )
 
 
-def _positional(spec, query_length, key_length, start):
-    """The spec's causal, window and written-slot mask `(1, 1, T, S)`."""
+def block(dense, start, stop, key_length):
+    """Rows `[start, stop)` and keys `[0, key_length)` of a
+    `(B|1, N|1, T|1, S|1)` tensor, keeping its size-1 axes."""
+    rows = slice(None) if dense.shape[2] == 1 else slice(start, stop)
+    cols = slice(None) if dense.shape[3] == 1 else slice(0, key_length)
+    return dense[:, :, rows, cols]
+
+
+def positions(spec, query_length, key_length, start=0):
+    """`(query_positions (T,), key_positions (S,))`, int32: where the
+    queries `[start, start + T)` and the keys `[0, S)` of the spec sit."""
     query_positions = ops.arange(query_length, dtype="int32")
     if start:
         query_positions = query_positions + start
@@ -106,6 +129,14 @@ def _positional(spec, query_length, key_length, start):
         key_positions = ops.arange(key_length, dtype="int32")
     else:
         key_positions = ops.cast(spec.key_positions, "int32")
+    return query_positions, key_positions
+
+
+def _positional(spec, query_length, key_length, start):
+    """The spec's causal, window and written-slot mask `(1, 1, T, S)`."""
+    query_positions, key_positions = positions(
+        spec, query_length, key_length, start
+    )
     positional = position_mask(
         ops.reshape(query_positions, (1, 1, -1, 1)),  # (1, 1, T, 1)
         ops.reshape(key_positions, (1, 1, 1, -1)),  # (1, 1, 1, S)

@@ -44,9 +44,21 @@ class AttentionSpec:
         flash_attention: `None` (auto), `True` (require the fused kernel's
             flash attention) or `False` (never), as
             `keras.ops.dot_product_attention` takes it.
-        bias, soft_cap, sinks, segment_ids, key_segment_ids, positions:
-            slots for the features of current models (see DESIGN.md,
-            "Features of current models"); `None` until they are filled.
+        bias: `None`, or a float tensor broadcastable to `(B, N, T, S)`
+            (rank 4), added to the logits.
+        soft_cap: `None`, or `c > 0`: logits become `c·tanh(logits / c)`
+            after scaling.
+        sinks: `None`, or a float tensor `(N,)`: one logit per head that
+            joins each row's softmax denominator and is then dropped.
+        alibi: `None`, or ALiBi's slopes `m_h` (a tuple of `N` floats):
+            `-m_h·|p - j|` is added to the logits.
+        segment_ids: `None`, or an integer tensor `(B, T)`: a query sees
+            only keys of the same id.
+        key_segment_ids: the keys' ids `(B, S)`, set whenever
+            `segment_ids` is.
+
+    The order inside attention is that of DESIGN.md, "Features of current
+    models" (`logits.py`).
     """
 
     scale: float
@@ -64,9 +76,9 @@ class AttentionSpec:
     bias: Any = None
     soft_cap: Any = None
     sinks: Any = None
+    alibi: Any = None
     segment_ids: Any = None
     key_segment_ids: Any = None
-    positions: Any = None
 
     def replace(self, **changes):
         """A copy with some fields changed."""
@@ -74,7 +86,13 @@ class AttentionSpec:
 
     @property
     def has_token_masks(self):
-        return self.query_mask is not None or self.key_mask is not None
+        """Whether some tokens may be hidden from others apart from their
+        positions (padding or segments)."""
+        return (
+            self.query_mask is not None
+            or self.key_mask is not None
+            or self.segment_ids is not None
+        )
 
     @property
     def static_offset(self):
@@ -91,7 +109,8 @@ class AttentionSpec:
     @property
     def plain_causal(self):
         """Whether the only mask is top-left causal: a backend's native
-        causal kernel can serve it without a mask tensor."""
+        causal kernel can serve it without a mask tensor (if no bias,
+        ALiBi or sinks asks for more)."""
         return (
             self.causal
             and self.window is None
@@ -104,12 +123,16 @@ class AttentionSpec:
 def window_sides(sliding_window, causal=False):
     """A layer's `sliding_window` -> `(left, right)`, or `None`.
 
-    `w` is `(w - 1, w - 1)`: `|p - j| < w`, the same as Keras's layer. With
-    `causal` the right side is 0, which the causal mask imposes anyway.
+    `w` is `(w - 1, w - 1)`: `|p - j| < w`, the same as Keras's layer; a
+    pair `(left, right)` is itself. With `causal` the right side is 0,
+    which the causal mask imposes anyway.
     """
     if sliding_window is None:
         return None
-    left = right = int(sliding_window) - 1
+    if isinstance(sliding_window, (tuple, list)):
+        left, right = (int(side) for side in sliding_window)
+    else:
+        left = right = int(sliding_window) - 1
     return (left, 0 if causal else right)
 
 

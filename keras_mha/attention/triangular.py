@@ -25,7 +25,8 @@ def triangular_attention(query, key, value, spec, block_size=BLOCK_SIZE):
         key: `(B, T, K, H)`.
         value: `(B, T, K, V)`.
         spec: a causal `AttentionSpec` without a window, dense mask,
-            dropout or cache (see `dispatch.can_serve`).
+            dropout or cache (see `dispatch.can_serve`); its bias,
+            soft-cap, sinks, ALiBi and segment ids apply block by block.
         block_size: queries per block `b`.
 
     Returns:
@@ -46,8 +47,12 @@ def triangular_attention(query, key, value, spec, block_size=BLOCK_SIZE):
         mask = masks_lib.spec_mask(
             spec, stop - start, stop, query_start=start
         )  # (B|1, 1, b, stop)
+        bias = spec.bias
+        if bias is not None:
+            bias = masks_lib.block(bias, start, stop, stop)
         output, _ = explicit.masked_attention(
-            query[:, start:stop], key[:, :stop], value[:, :stop], mask, spec
+            query[:, start:stop], key[:, :stop], value[:, :stop], mask, spec,
+            masks_lib.positions(spec, stop - start, stop, start), bias,
         )
         outputs.append(output)  # (B, b, N, V)
     if len(outputs) == 1:

@@ -1,0 +1,136 @@
+"""What a layer call asks of attention: its `AttentionSpec`, and its path.
+
+The layer describes each call once, from its own arguments (scale, window,
+soft-cap, sinks, ALiBi) and the call's (masks, causal, dropout, bias,
+segment ids); `attention_path` describes a call from shapes alone and asks
+the dispatch rule which path it would take.
+"""
+
+import keras
+from keras import ops
+
+from keras_mha import checks
+from keras_mha.attention import dispatch
+from keras_mha.attention import logits as logits_lib
+from keras_mha.attention import spec as spec_lib
+
+
+def describe(
+    layer, query_tokens, key_tokens, dense_mask, use_causal_mask, training,
+    return_attention_scores, attention_bias=None, segment_ids=None,
+    key_segment_ids=None,
+):
+    """The `AttentionSpec` of a call of `layer` without a cache.
+
+    Args:
+        layer: the `MultiHeadAttention`.
+        query_tokens, key_tokens: boolean `(B', T)`, `(B', S)` or `None`.
+        dense_mask: boolean `(B'|1, N|1, T, S)` or `None`.
+        use_causal_mask, training, return_attention_scores: as in `call`.
+        attention_bias: checked, broadcastable to `(B, N, T, S)`, or `None`.
+        segment_ids, key_segment_ids: checked integer ids, or `None` (the
+            keys share the queries' ids when only `segment_ids` is given).
+    """
+    dropout = layer._dropout if training else 0.0
+    if segment_ids is not None:
+        if key_segment_ids is None:
+            key_segment_ids = segment_ids
+        segment_ids = ops.convert_to_tensor(segment_ids)
+        key_segment_ids = ops.convert_to_tensor(key_segment_ids)
+    return spec_lib.AttentionSpec(
+        scale=layer._scale,
+        causal=bool(use_causal_mask),
+        window=spec_lib.window_sides(layer._sliding_window, use_causal_mask),
+        query_mask=query_tokens,
+        key_mask=key_tokens,
+        attention_mask=dense_mask,
+        dropout=dropout,
+        seed=layer._dropout_layer.seed_generator
+        if dropout and layer.built
+        else None,
+        return_weights=bool(return_attention_scores),
+        flash_attention=layer._flash_attention,
+        bias=None if attention_bias is None else _rank4(attention_bias),
+        soft_cap=layer._soft_cap,
+        sinks=layer.sinks,
+        alibi=logits_lib.alibi_slopes(layer._num_heads)
+        if layer._use_alibi
+        else None,
+        segment_ids=segment_ids,
+        key_segment_ids=key_segment_ids,
+    )
+
+
+def attention_path(
+    layer, query_shape, value_shape, key_shape, given, use_causal_mask,
+    return_attention_scores, training, cache,
+):
+    """The path a call of `layer` would run (see
+    `MultiHeadAttention.attention_path`); `given` holds which optional
+    tensors the call has, by argument name."""
+    query_shape, value_shape = tuple(query_shape), tuple(value_shape)
+    key_shape = value_shape if key_shape is None else tuple(key_shape)
+    layout = checks.input_shapes(
+        query_shape, value_shape, key_shape, layer._attention_axes
+    )
+    t_len = layout.sequence_length(query_shape)
+    s_len = layout.sequence_length(key_shape)
+    batch, heads = query_shape[0], layer._num_heads
+
+    def placeholder(name, shape, dtype="bool"):
+        return keras.KerasTensor(shape, dtype=dtype) if given[name] else None
+
+    spec = describe(
+        layer,
+        placeholder("query_mask", (batch, t_len)),
+        placeholder("key_mask", (batch, s_len)),
+        placeholder("attention_mask", (batch, heads, t_len, s_len)),
+        use_causal_mask,
+        training,
+        return_attention_scores,
+        placeholder("attention_bias", (batch, heads, t_len, s_len), "float32"),
+        placeholder("segment_ids", (batch, t_len), "int32"),
+    )
+    if cache:
+        spec = spec.replace(
+            query_offset=keras.KerasTensor((), dtype="int32"),
+            key_positions=keras.KerasTensor((None,), dtype="int32"),
+        )
+        s_len = None
+    shapes = dispatch.Shapes(t_len, s_len, layer._key_dim, layer._value_dim)
+    return dispatch.choose_path(spec, shapes)
+
+
+def extra_result_specs(layer, query, value, key, return_attention_scores, cache):
+    """The `KerasTensor`s a call returns after its output: the scores
+    (keys: a cache's old slots, then the new tokens) and the new cache."""
+    specs = []
+    if return_attention_scores:
+        layout = checks.input_shapes(
+            tuple(query.shape), tuple(value.shape),
+            tuple((value if key is None else key).shape),
+            layer._attention_axes,
+        )
+        scores_shape = layout.scores_shape(
+            tuple(query.shape), tuple(value.shape), layer._num_heads
+        )
+        if cache is not None:
+            scores_shape = scores_shape[:-1] + (
+                None
+                if query.shape[1] is None
+                else cache.shape[1] + query.shape[1],
+            )
+        specs.append(keras.KerasTensor(scores_shape, dtype=layer.compute_dtype))
+    if cache is not None:
+        specs.append(keras.KerasTensor(cache.shape, dtype=cache.dtype))
+    return specs
+
+
+def _rank4(bias):
+    """A checked `attention_bias` -> rank 4, `(B|1, N|1, T|1, S|1)`."""
+    bias = ops.convert_to_tensor(bias)
+    if "float" not in keras.backend.standardize_dtype(bias.dtype):
+        bias = ops.cast(bias, "float32")
+    while len(bias.shape) < 4:
+        bias = ops.expand_dims(bias, 0)
+    return bias

@@ -1,0 +1,223 @@
+"""Weight import: Hugging Face `transformers` attention modules -> our layer.
+
+`keras_mha.from_torch` sends the modules named in `_WINDOWS` here. Nothing
+here imports `transformers`: a module is recognised by its class's module
+path and name, and only its attributes, weights and `config` are read, so
+the library never needs `transformers` installed.
+
+Only the attention module is converted. Its rotary embedding lives in the
+model (`LlamaRotaryEmbedding(config)`), and so does its mask (built from
+`config.layer_types` and `config.sliding_window`); both are read back from
+the config into the layer's `rotary_embedding` and `sliding_window`.
+"""
+
+import numpy as np
+
+from keras_mha import host
+from keras_mha.layer import MultiHeadAttention
+from keras_mha.rotary import RotaryEmbedding
+
+# (module path, class) -> where the model takes the layer's sliding window
+# from: nowhere (Llama), `config.sliding_window` for every layer (Mistral,
+# which ignores `layer_types`), or `config.sliding_window` for the layers
+# that `config.layer_types` marks "sliding_attention".
+_WINDOWS = {
+    ("transformers.models.llama.modeling_llama", "LlamaAttention"): None,
+    ("transformers.models.mistral.modeling_mistral", "MistralAttention"):
+        "config",
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention"):
+        "layer_types",
+    ("transformers.models.gemma2.modeling_gemma2", "Gemma2Attention"):
+        "layer_types",
+    ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssAttention"):
+        "layer_types",
+}
+
+_DEFAULT_ROPE_THETA = 10000.0  # transformers' `default_theta`
+
+
+def is_transformers_attention(obj):
+    """Whether `obj` is one of the `transformers` modules converted here.
+
+    The class itself, not a subclass: a subclass may compute something else.
+    """
+    cls = type(obj)
+    return (cls.__module__, cls.__qualname__) in _WINDOWS
+
+
+def from_transformers(module, **layer_kwargs):
+    """Builds a `MultiHeadAttention` from a `transformers` attention module.
+
+    Supported: `LlamaAttention`, `MistralAttention`, `Qwen2Attention`,
+    `Gemma2Attention` and `GptOssAttention` (the classes themselves, not
+    subclasses). Read from the module and its `config`, for the module's
+    `layer_idx`:
+
+    - heads: `config.num_attention_heads`, `config.num_key_value_heads` and
+      `module.head_dim` (`config.head_dim`, or `hidden_size // heads`).
+    - weights: `q_proj`, `k_proj`, `v_proj` and `o_proj`, with their biases.
+      If any projection has a bias, all four get one, zero where the module
+      has none (Qwen2's `o_proj`): the same function.
+    - rotary embedding: `rope_theta` from `config.rope_parameters`
+      (transformers 5) or `config.rope_theta` and `config.rope_scaling`
+      (older configs). Only the rope type `"default"` is supported. These
+      models' default RoPE rotates every feature of a head, whatever
+      `partial_rotary_factor` says, and so does the layer.
+    - sliding window: Mistral's `config.sliding_window` for every layer;
+      for Qwen2, Gemma 2 and gpt-oss, `config.sliding_window` where
+      `config.layer_types[layer_idx] == "sliding_attention"`, else none.
+      Hugging Face's window `W` (`kv_idx > q_idx - W`) is our causal
+      `sliding_window=W`.
+    - `module.scaling` (Gemma 2: `query_pre_attn_scalar ** -0.5`) as
+      `scale`; Gemma 2's `attn_logit_softcapping` as
+      `attn_logits_soft_cap`; gpt-oss's `module.sinks` as the `sinks`
+      weight (`use_sinks=True`); `config.attention_dropout` as `dropout`.
+
+    The layer computes what the module computes, given the model's
+    position embeddings for positions `0..T-1` and its causal mask, when
+    called as `layer(x, x, use_causal_mask=True)`.
+
+    Args:
+        module: one of the modules above.
+        **layer_kwargs: more `MultiHeadAttention` arguments (`name`, `dtype`,
+            `flash_attention`, `dropout`, ...). Those the module fixes
+            (`num_heads`, `key_dim`, `value_dim`, `num_key_value_heads`,
+            `use_bias`, `use_gate`, `output_shape`, `rotary_embedding`,
+            `scale`, `attn_logits_soft_cap`, `use_sinks`, `use_alibi`,
+            `sliding_window`) may be passed only with the module's values;
+            `rotary_embedding` not at all.
+
+    Returns:
+        A built `keras_mha.MultiHeadAttention` taking `(B, T, hidden_size)`
+        and returning `(B, T, hidden_size)`.
+
+    Raises:
+        ValueError: for another module type, a rope type other than
+            `"default"`, a module whose `sliding_window` disagrees with its
+            config's, or an argument the module fixes to another value.
+    """
+    if not is_transformers_attention(module):
+        supported = ", ".join(name for _, name in _WINDOWS)
+        raise ValueError(
+            f"`from_transformers` takes one of {supported}. Received: module "
+            f"of type {type(module).__module__}.{type(module).__qualname__}"
+        )
+    config = module.config
+    name = type(module).__qualname__
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(config.num_key_value_heads)
+    head_dim = int(module.head_dim)
+    hidden_size = int(config.hidden_size)
+    projections = [module.q_proj, module.k_proj, module.v_proj, module.o_proj]
+    use_bias = any(dense.bias is not None for dense in projections)
+    soft_cap = getattr(module, "attn_logit_softcapping", None)
+    sinks = getattr(module, "sinks", None)
+    fixed = dict(
+        num_heads=num_heads,
+        key_dim=head_dim,
+        value_dim=head_dim,
+        num_key_value_heads=num_kv_heads,
+        use_bias=use_bias,
+        use_gate=False,
+        output_shape=None,
+        rotary_embedding=RotaryEmbedding(
+            max_wavelength=_rope_theta(config, name)
+        ),
+        scale=float(module.scaling),
+        attn_logits_soft_cap=None if soft_cap is None else float(soft_cap),
+        use_sinks=sinks is not None,
+        use_alibi=False,
+        sliding_window=_sliding_window(module, name),
+    )
+    if host.output_shape(layer_kwargs.get("output_shape")) == (hidden_size,):
+        del layer_kwargs["output_shape"]  # the default: the input's size
+    _check_fixed_kwargs(layer_kwargs, name, fixed)
+    layer_kwargs.setdefault("dropout", float(config.attention_dropout))
+    layer = MultiHeadAttention(**{**layer_kwargs, **fixed})
+    layer.build((None, None, hidden_size), (None, None, hidden_size))
+
+    def weights(dense, kernel_shape, bias_shape):
+        # torch: y = x @ W.T + b; head n is features n*H:(n+1)*H.
+        kernel = host.to_numpy(dense.weight).T.reshape(kernel_shape)
+        if not use_bias:
+            return [kernel]
+        if dense.bias is None:
+            return [kernel, np.zeros(bias_shape, kernel.dtype)]
+        return [kernel, host.to_numpy(dense.bias).reshape(bias_shape)]
+
+    query_heads = (num_heads, head_dim)
+    key_heads = (num_kv_heads, head_dim)
+    layer.query_dense.set_weights(
+        weights(module.q_proj, (hidden_size, *query_heads), query_heads)
+    )  # (E, N, H), (N, H)
+    layer.key_dense.set_weights(
+        weights(module.k_proj, (hidden_size, *key_heads), key_heads)
+    )  # (E, K, H), (K, H)
+    layer.value_dense.set_weights(
+        weights(module.v_proj, (hidden_size, *key_heads), key_heads)
+    )  # (E, K, V), (K, V)
+    layer.output_dense.set_weights(
+        weights(module.o_proj, (*query_heads, hidden_size), (hidden_size,))
+    )  # (N, V, E), (E,)
+    if sinks is not None:
+        layer.sinks.assign(host.to_numpy(sinks))  # (N,)
+    return layer
+
+
+def _rope_theta(config, name):
+    """The rope theta of a config whose rope type is `"default"`."""
+    params = getattr(config, "rope_parameters", None)
+    if params is None:  # before transformers 5: `rope_theta`, `rope_scaling`
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault(
+            "rope_theta", getattr(config, "rope_theta", _DEFAULT_ROPE_THETA)
+        )
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(
+            f"Only the rope type 'default' of a {name} can be converted: "
+            "`keras_mha.RotaryEmbedding` has no other frequencies. "
+            f"Received: rope_type={rope_type!r}"
+        )
+    return params.get("rope_theta", _DEFAULT_ROPE_THETA)
+
+
+def _sliding_window(module, name):
+    """`W` (our causal `sliding_window`) of the module's layer, or `None`."""
+    config = module.config
+    source = _WINDOWS[(type(module).__module__, name)]
+    if source is None:
+        return None
+    window = getattr(config, "sliding_window", None)
+    if source == "layer_types":
+        layer_type = config.layer_types[module.layer_idx]
+        window = window if layer_type == "sliding_attention" else None
+        # The model masks by the config; the module's copy (which
+        # transformers passes to flash attention) must agree.
+        if getattr(module, "sliding_window", window) != window:
+            raise ValueError(
+                f"The {name}'s `sliding_window` disagrees with its config's "
+                f"for layer {module.layer_idx} ({layer_type!r}). Received: "
+                f"module.sliding_window={module.sliding_window!r}, "
+                f"config.sliding_window={config.sliding_window!r}"
+            )
+    return None if window is None else int(window)
+
+
+def _check_fixed_kwargs(layer_kwargs, name, fixed):
+    for argument, value in fixed.items():
+        if argument not in layer_kwargs:
+            continue
+        given = layer_kwargs[argument]
+        if argument == "output_shape":
+            given = host.output_shape(given)
+        if argument == "rotary_embedding" or given != value:
+            shown = (
+                f"RotaryEmbedding(max_wavelength={value.max_wavelength})"
+                if argument == "rotary_embedding"
+                else repr(value)
+            )
+            raise ValueError(
+                f"`{argument}` is fixed by the {name} module to {shown}. "
+                f"Received: {argument}={layer_kwargs[argument]!r}"
+            )
