@@ -1,14 +1,16 @@
 """`keras-mha bench`: the quick matrix end to end, and the parts around it.
 
-The end-to-end test runs `python -m keras_mha bench --quick` on the backend
-the suite runs on (a worker process per backend, so it takes a while: it
-compiles every implementation twice). NumPy is not benchmarked (no
-compiler, no autodiff): there the command must say so in one line.
+The end-to-end tests run `python -m keras_mha bench --quick --no-features`
+and `--quick --features` on the backend the suite runs on (a worker process
+per backend, so it takes a while: it compiles every implementation twice).
+NumPy is not benchmarked (no compiler, no autodiff): there the command must
+say so in one line.
 """
 
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -20,6 +22,7 @@ from keras_mha import cli
 from keras_mha.attention import dispatch
 from keras_mha.cli.bench import plan
 from keras_mha.cli.bench import report
+from keras_mha.cli.bench import worker
 
 STATUSES = {plan.OK, plan.SKIPPED, plan.OUT_OF_MEMORY, plan.TIMED_OUT,
             plan.ERROR, plan.NOT_AVAILABLE}
@@ -40,8 +43,8 @@ def run_bench(*args, cwd):
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
-    result = run_bench("--quick", "--backends", BACKEND, "--out", "out",
-                       cwd=folder)
+    result = run_bench("--quick", "--no-features", "--backends", BACKEND,
+                       "--out", "out", cwd=folder)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(folder / "out" / "bench.json", encoding="utf-8") as file:
         document = json.load(file)
@@ -111,6 +114,7 @@ def test_quick_reports_decode_and_matmul(quick_run):
     assert rolling["cache_bytes"] < full["cache_bytes"]
     assert document["matmul"][BACKEND]["status"] == plan.OK
     assert document["matmul"][BACKEND]["gflops"] > 0
+    assert document["features"] == []  # --no-features
 
 
 @pytest.mark.training
@@ -121,10 +125,134 @@ def test_quick_writes_plot_table_and_targets(quick_run):
     assert "ours core" in result.stdout
     assert "targets" in result.stdout
     assert "Traceback" not in result.stderr
+    markdown = (out / "report.md").read_text(encoding="utf-8")
+    assert "ours core" in markdown
+    assert "targets" in markdown
     assert document["flops_definition"] == plan.FLOPS_DEFINITION
     assert document["peak_memory"]["method"]
     assert {t["status"] for t in document["targets"]} <= {
         "met", "not met", "n/a", "info"}
+
+
+@pytest.fixture(scope="module")
+def features_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench-features")
+    result = run_bench("--quick", "--features", "--backends", BACKEND,
+                       "--out", "out", cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(folder / "out" / "bench-features.json",
+              encoding="utf-8") as file:
+        document = json.load(file)
+    return result, document, folder / "out"
+
+
+def _feature_path(config, feature):
+    """What our layer answers for a feature cell of `config`."""
+    arguments, segments = worker.feature_arguments(feature, config)
+    spec = config["features"]
+    layer = keras_mha.MultiHeadAttention(
+        config["num_heads"], config["key_dim"], sliding_window=spec["window"],
+        **arguments)
+    shape = (config["batch"], spec["length"],
+             config["num_heads"] * config["key_dim"])
+    return layer.attention_path(shape, shape, use_causal_mask=spec["causal"],
+                                segment_ids=bool(segments))
+
+
+@pytest.mark.training
+def test_features_run_reports_every_feature_with_ratios(features_run):
+    result, document, out = features_run
+    config = plan.load_config(None, "quick")
+    spec = config["features"]
+    rows = {r["feature"]: r for r in document["features"]}
+    assert list(rows) == spec["features"]
+    for feature, row in rows.items():
+        assert (row["backend"], row["T"], row["w"], row["causal"]) == (
+            BACKEND, spec["length"], spec["window"], spec["causal"])
+        assert row["path"] == _feature_path(config, feature), row
+        for mode in spec["modes"]:
+            outcome = row[mode]
+            assert outcome["status"] == plan.OK, (feature, mode, outcome)
+            assert outcome["path"] == row["path"]
+            if feature == "plain":
+                assert "ratio_to_plain" not in outcome
+                continue
+            ratio = outcome["time_s"] / rows["plain"][mode]["time_s"]
+            assert outcome["ratio_to_plain"] == pytest.approx(ratio)
+            assert outcome["within_target"] == (
+                ratio <= report.MAX_FEATURE_RATIO)
+        assert row.get("target", "baseline") in {"met", "not met",
+                                                 "baseline"}
+    # The feature cells only: no matmul, attention cells, decode or plot.
+    assert document["what"] == "keras-mha bench --features"
+    assert document["cells"] == [] and document["decode"] == []
+    assert [t["id"] for t in document["targets"]] == ["feature_ratios"]
+    assert not (out / "bench.png").exists()
+    markdown = (out / "report-features.md").read_text(encoding="utf-8")
+    for text in (result.stdout, markdown):
+        assert f"features, {BACKEND}, T={spec['length']}" in text
+        assert "segment ids" in text and "x plain" in text
+    assert "Traceback" not in result.stderr
+
+
+# ------------------------------------------------------------ report.md
+
+
+def _finished_run(backend="jax"):
+    """The document of a run of the quick matrix with made-up results; one
+    unit was skipped."""
+    config = plan.load_config(None, "quick")
+    units = {backend: plan.units_for(backend, config)}
+    results = {}
+    for unit in units[backend]:
+        if unit["kind"] == "matmul":
+            result = {"gflops": 50.0}
+        elif unit["kind"] == "decode":
+            result = {"ms_per_token": 1.5, "cache_bytes": 2**20}
+        elif unit["kind"] == "feature":  # every feature 1.2x plain
+            time_s = 0.25 if unit["feature"] == "plain" else 0.3
+            result = {"time_s": time_s, "peak_bytes": 2**20,
+                      "path": dispatch.BANDED}
+        else:
+            result = {"time_s": 0.25, "peak_bytes": 2**20}
+        results[unit["id"]] = {"status": plan.OK, **result}
+    skipped = next(u for u in units[backend] if u.get("impl") == "keras")
+    results[skipped["id"]] = {"status": plan.SKIPPED,
+                              "reason": "over time cap (est. 99 s > 60 s)"}
+    cells, decode, matmul = report.build_cells(config, units, results)
+    features = report.build_features(units, results)
+    return {
+        "what": "keras-mha bench", "config": config, "backends": [backend],
+        "machine": {"platform": "Linux", "processor": "x86_64", "cpus": 2,
+                    "python": "3.11.0"},
+        "backend_info": {backend: {"version": "0.0", "keras": "3.15.1"}},
+        "matmul": matmul, "cells": cells, "decode": decode,
+        "features": features,
+        "targets": report.targets(cells, [backend], features),
+        "seconds": 12.0,
+    }
+
+
+def test_report_md_has_every_row_of_the_terminal_report(tmp_path):
+    document = _finished_run()
+    path = tmp_path / "report.md"
+    report.write_markdown(path, document, "bench.json")
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith("# `keras-mha bench`\n")
+    assert "`bench.json`" in text and "jax 0.0, keras 3.15.1" in text
+    assert text.count("```") == 2  # one text block
+    lines = text.splitlines()
+    rows = [line for line in lines if line.startswith("│ jax")]
+    assert len(rows) == len(document["cells"]) + len(document["decode"])
+    labels = [line.split("│")[1].strip() for line in lines
+              if line.startswith("│ ") and "banded" in line]
+    assert labels == [plan.FEATURE_LABELS[f] for f in plan.FEATURES]
+    assert "1.20x" in text and "baseline" in text
+    assert not [line for line in lines if re.match(r"│ +│", line)], (
+        "a row was wrapped: the table is wider than the page")
+    assert "skip ~99 s" in text
+    for target in document["targets"]:
+        assert target["target"] in text
 
 
 # ------------------------------------------------------------ the parent
@@ -162,7 +290,7 @@ def test_runner_kills_hung_workers_and_abandons_compilers(
     config = plan.load_config(None, overrides={
         "lengths": [256, 512], "windows": [64], "modes": ["forward"],
         "implementations": ["keras", "ours"], "time_cap_s": 0.5})
-    config.update(compile_allowance_s=0.5, decode=None)
+    config.update(compile_allowance_s=0.5, decode=None, features=None)
     units = plan.units_for("jax", config)
     bench = runner.Runner(config, log_folder=str(tmp_path))
     try:
@@ -195,6 +323,9 @@ def test_runner_kills_hung_workers_and_abandons_compilers(
         (["--lengths", "1024,abc"], "--lengths: cannot read 'abc'"),
         (["--windows", "0"], "--windows: cannot read '0'"),
         (["--quick", "--long"], "exclude each other"),
+        (["--features", "--long"], "--features and --long exclude"),
+        (["--features", "--no-features"], "--features and --no-features"),
+        (["--features", "--lengths", "1024"], "not --lengths"),
         (["--repeats", "0"], "must be positive"),
         (["--config", "no-such-file.json"], "cannot read config"),
     ],
@@ -217,6 +348,13 @@ def test_errors_are_one_line(args, message, capsys, tmp_path, monkeypatch):
         ({"decode": {"window": 8, "positions": [9], "full_length": 9,
                      "repeats": 1}}, [], "every position must be < "
          "full_length"),
+        ({"features": {"features": ["rope"]}}, [], "must include plain"),
+        ({"features": {"features": ["plain", "gqa"]}}, [],
+         "features must be a list drawn from plain, rope"),
+        ({"features": {"soft_cap": 0}}, [], "soft_cap a positive number"),
+        ({"features": {"colour": 1}}, [], "features must be null or an "
+         "object with"),
+        ({"features": None}, ["--features"], "features section is null"),
     ],
 )
 def test_config_errors(tmp_path, capsys, config, args, message):
@@ -237,6 +375,111 @@ def test_default_config_is_valid(tmp_path, monkeypatch):
         config = plan.load_config(None, profile)
         assert config["lengths"] == sorted(config["lengths"])
     assert plan.load_config(None, "long")["lengths"] == [262144]
+
+
+# ------------------------------------------------------------ feature cells
+
+
+def test_plan_has_a_unit_per_feature_and_mode():
+    config = plan.load_config(None)
+    units = plan.units_for("torch", config)
+    kinds = [u["kind"] for u in units]
+    features = [u for u in units if u["kind"] == "feature"]
+    # After the attention cells, before decode; plain first; modes adjacent.
+    assert kinds.index("feature") > max(
+        i for i, kind in enumerate(kinds) if kind == "attention")
+    assert kinds.index("decode") > max(
+        i for i, kind in enumerate(kinds) if kind == "feature")
+    assert [(u["feature"], u["mode"]) for u in features] == list(
+        itertools.product(plan.FEATURES, plan.MODES))
+    assert {(u["T"], u["w"], u["causal"], u["impl"]) for u in features} == {
+        (16384, 128, True, "ours")}
+    assert len({u["id"] for u in units}) == len(units)
+    only = plan.units_for("torch", config, only_features=True)
+    assert only == features
+    quick = plan.load_config(None, "quick")["features"]
+    assert (quick["length"], quick["window"]) == (512, 64)
+    assert quick["features"] == list(plan.FEATURES)
+    assert plan.units_for("torch", {**config, "features": None},
+                          only_features=True) == []
+
+
+def test_feature_arguments_turn_one_feature_on():
+    config = plan.load_config(None)
+    for feature in plan.FEATURES:
+        arguments, segments = worker.feature_arguments(feature, config)
+        layer = keras_mha.MultiHeadAttention(2, 4, **arguments)
+        on = {"rope": layer.rotary_embedding is not None,
+              "soft_cap": layer.attn_logits_soft_cap == 50.0,
+              "sinks": layer.use_sinks, "alibi": layer.use_alibi,
+              "segments": segments == 4}
+        assert [name for name, value in on.items() if value] == (
+            [] if feature == "plain" else [feature])
+    # 4 equal runs per row; 10 tokens do not split evenly.
+    assert worker.segment_ids(2, 8, 4).tolist() == [
+        [0, 0, 1, 1, 2, 2, 3, 3]] * 2
+    assert worker.segment_ids(1, 10, 4).tolist() == [
+        [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]]
+    assert worker.segment_ids(1, 8, 4).dtype == "int32"
+
+
+def _feature_results(times):
+    """Units of two features on jax and made-up results: `times` maps
+    (feature, mode) to seconds or to a status."""
+    config = plan.load_config(None, overrides={"features": {
+        "features": ["plain", "rope", "alibi"]}})
+    units = {"jax": plan.units_for("jax", config, only_features=True)}
+    results = {}
+    for unit in units["jax"]:
+        outcome = times.get((unit["feature"], unit["mode"]))
+        if isinstance(outcome, float):
+            results[unit["id"]] = {"status": plan.OK, "time_s": outcome,
+                                   "path": dispatch.BANDED}
+        elif outcome is not None:
+            results[unit["id"]] = {"status": outcome, "reason": "because"}
+    return units, results
+
+
+def test_feature_ratios_and_their_target():
+    units, results = _feature_results({
+        ("plain", "forward"): 1.0, ("plain", "forward_backward"): 3.0,
+        ("rope", "forward"): 1.25, ("rope", "forward_backward"): 4.5,
+        ("alibi", "forward"): 1.1, ("alibi", "forward_backward"): 3.3,
+    })
+    rows = {r["feature"]: r for r in report.build_features(units, results)}
+    assert rows["plain"]["path"] == dispatch.BANDED
+    assert "target" not in rows["plain"]
+    rope = rows["rope"]
+    assert rope["forward"]["ratio_to_plain"] == pytest.approx(1.25)
+    assert rope["forward"]["within_target"]
+    assert rope["forward_backward"]["ratio_to_plain"] == pytest.approx(1.5)
+    assert not rope["forward_backward"]["within_target"]
+    assert (rope["target"], rows["alibi"]["target"]) == ("not met", "met")
+    (target,) = report.targets([], ["jax"], list(rows.values()))
+    assert target["id"] == "feature_ratios"
+    assert target["status"] == "not met"
+    assert target["detail"] == ("jax: worst RoPE fwd+bwd 1.50x (above 1.3x "
+                                "or unmeasured: RoPE fwd+bwd 1.50x)")
+
+
+def test_feature_target_counts_failures_not_skips():
+    base = {("plain", "forward"): 1.0, ("plain", "forward_backward"): 3.0,
+            ("rope", "forward"): 1.0, ("rope", "forward_backward"): 3.0,
+            ("alibi", "forward"): 1.0}
+    skipped = report.build_features(*_feature_results(
+        {**base, ("alibi", "forward_backward"): plan.SKIPPED}))
+    failed = report.build_features(*_feature_results(
+        {**base, ("alibi", "forward_backward"): plan.ERROR}))
+    no_plain = report.build_features(*_feature_results(
+        {**base, ("plain", "forward"): plan.OUT_OF_MEMORY}))
+    assert [r.get("target") for r in skipped] == [None, "met", "met"]
+    assert [r.get("target") for r in failed] == [None, "met", "not met"]
+    assert [r.get("target") for r in no_plain] == [None, "not met",
+                                                   "not met"]
+    (target,) = report.targets([], ["jax"], failed)
+    assert target["status"] == "not met"
+    assert "ALiBi fwd+bwd: error" in target["detail"]
+    assert report.targets([], ["jax"], skipped)[0]["status"] == "met"
 
 
 # ------------------------------------------------------------ FLOPs, caps

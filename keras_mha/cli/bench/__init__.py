@@ -18,10 +18,16 @@ weights) of:
   local_window_size=(w-1, 0))`; attention core only.
 
 It also measures each backend's float32 matmul rate (the yardstick of the
-"% matmul" column and of the roofline), and, unless `--no-decode`, the
-per-token decode time of our layer with a rolling cache of w slots against
-a full-length cache. `--long` runs only the long-sequence case (T=262144,
-w=128, ours and ours_core, forward).
+"% matmul" column and of the roofline), unless `--no-decode` the per-token
+decode time of our layer with a rolling cache of w slots against a
+full-length cache, and unless `--no-features` the feature cells: our whole
+layer at T=16384, w=128, causal, forward and forward+backward, with one
+feature of current models on (RoPE, soft-cap 50, sinks, ALiBi, 4 equal
+segments of `segment_ids`) against the same layer with none (`plain`),
+each as a ratio to plain (target: at most 1.3x). `--features` runs only
+the feature cells (`OUT/bench-features.json`, `OUT/report-features.md`),
+`--long` only the long-sequence case (T=262144, w=128, ours and ours_core,
+forward).
 
 The command (`command.py`) runs each backend in its own worker process
 (`worker.py`, `backends.py`) fed one unit at a time by the parent
@@ -32,8 +38,9 @@ timed calls (`memory.py`). Results are reported, never dropped: a unit that
 did not produce a time says why.
 
 Outputs: a table and the targets of the issues on the terminal, and
-`OUT/bench.json`, `OUT/bench.png` (`OUT/bench-long.json` for `--long`) and
-each worker's stderr in `OUT/worker-<backend>.log`. Exit code 1 if a unit
-ended in an error (a traceback is in the log), 130 if interrupted (what was
-measured is still written).
+`OUT/bench.json` (every unit), `OUT/report.md` (the terminal's tables and
+targets), `OUT/bench.png` (`OUT/bench-long.json` and `OUT/report-long.md`
+for `--long`) and each worker's stderr in `OUT/worker-<backend>.log`. Exit
+code 1 if a unit ended in an error (a traceback is in the log), 130 if
+interrupted (what was measured is still written).
 """

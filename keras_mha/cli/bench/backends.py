@@ -10,7 +10,9 @@ eagerly (`flex_attention` under `torch.compile`).
 Forward+backward is the gradient of `0.5 * sum(y^2)` with respect to every
 input (and, for a layer, every trainable weight), with the backend's own
 autodiff: `jax.grad` under `jax.jit`, `tf.GradientTape` under
-`tf.function`, `torch.autograd.grad`.
+`tf.function`, `torch.autograd.grad`. A layer's `segment_ids` are an input
+of the compiled function, as in training (a constant could be folded into
+the program), and are not differentiated.
 """
 
 import statistics
@@ -26,6 +28,16 @@ def get(name):
     """The backend object for Keras backend `name`, or `None`."""
     backend = {"jax": Jax, "tensorflow": TensorFlow, "torch": Torch}.get(name)
     return None if backend is None else backend()
+
+
+def _held(segment_ids):
+    """The inputs a layer call gets besides `x`, not differentiated."""
+    return () if segment_ids is None else (segment_ids,)
+
+
+def _segments(held):
+    """`_held`'s inputs back as the layer's keyword arguments."""
+    return {"segment_ids": held[0]} if held else {}
 
 
 class Backend:
@@ -54,8 +66,8 @@ class Jax(Backend):
     def block(self, result):
         return self.jax.block_until_ready(result)
 
-    def core(self, fn, args, mode):
-        """`fn(*args)`, or its gradient w.r.t. every argument."""
+    def core(self, fn, args, mode, held=()):
+        """`fn(*args, *held)`, or its gradient w.r.t. every one of `args`."""
         jax = self.jax
         if mode == "forward":
             compiled = jax.jit(fn)
@@ -67,19 +79,20 @@ class Jax(Backend):
             compiled = jax.jit(
                 jax.grad(loss, argnums=tuple(range(len(args))))
             )
-        return [(self.compiler, lambda: compiled(*args))]
+        return [(self.compiler, lambda: compiled(*args, *held))]
 
-    def layer(self, layer, x, causal, mode):
+    def layer(self, layer, x, causal, mode, segment_ids=None):
         trainable = [v.value for v in layer.trainable_variables]
         frozen = [v.value for v in layer.non_trainable_variables]
 
-        def call(weights, inputs):
+        def call(weights, inputs, *segments):
             out, _ = layer.stateless_call(
-                weights, frozen, inputs, inputs, use_causal_mask=causal
+                weights, frozen, inputs, inputs, use_causal_mask=causal,
+                **_segments(segments),
             )
             return out
 
-        return self.core(call, (trainable, x), mode)
+        return self.core(call, (trainable, x), mode, _held(segment_ids))
 
     def native(self, q, k, v, window, causal, scale, mode):
         """`jax.nn.dot_product_attention` with a local window."""
@@ -140,7 +153,9 @@ class TensorFlow(Backend):
         return [(self.compiler, make(True)),
                 ("tf.function (no XLA)", make(False))]
 
-    def _compile(self, call, args, weights, mode):
+    def _compile(self, call, args, weights, mode, held=()):
+        """`call(*args, *held)`, or its gradient w.r.t. `args` and
+        `weights`."""
         tf = self.tf
 
         def make(jit):
@@ -149,25 +164,28 @@ class TensorFlow(Backend):
             else:
 
                 def gradients(*inputs):
+                    watched = inputs[:len(args)]
                     with tf.GradientTape() as tape:
-                        for tensor in inputs:
+                        for tensor in watched:
                             tape.watch(tensor)
                         loss = 0.5 * tf.reduce_sum(tf.square(call(*inputs)))
-                    return tape.gradient(loss, list(inputs) + list(weights))
+                    return tape.gradient(loss, list(watched) + list(weights))
 
                 compiled = tf.function(gradients, jit_compile=jit)
-            return lambda: compiled(*args)
+            return lambda: compiled(*args, *held)
 
         return self._candidates(make)
 
     def core(self, fn, args, mode):
         return self._compile(fn, args, [], mode)
 
-    def layer(self, layer, x, causal, mode):
-        def call(inputs):
-            return layer(inputs, inputs, use_causal_mask=causal)
+    def layer(self, layer, x, causal, mode, segment_ids=None):
+        def call(inputs, *segments):
+            return layer(inputs, inputs, use_causal_mask=causal,
+                         **_segments(segments))
 
-        return self._compile(call, (x,), layer.trainable_weights, mode)
+        return self._compile(call, (x,), layer.trainable_weights, mode,
+                             _held(segment_ids))
 
     def matmul(self, a, b):
         compiled = self.tf.function(self.tf.matmul, jit_compile=True)
@@ -210,30 +228,33 @@ class Torch(Backend):
         self._flex = None
         self._window = None
 
-    def core(self, fn, args, mode, weights=()):
+    def core(self, fn, args, mode, weights=(), held=()):
+        """`fn(*args, *held)`, or its gradient w.r.t. `args` and
+        `weights`."""
         torch = self.torch
         if mode == "forward":
 
             def run():
                 with torch.no_grad():
-                    return fn(*args)
+                    return fn(*args, *held)
 
             return [(self.compiler, run)]
         inputs = [a.detach().requires_grad_(True) for a in args]
         sources = inputs + list(weights)
 
         def run():
-            loss = 0.5 * torch.sum(torch.square(fn(*inputs)))
+            loss = 0.5 * torch.sum(torch.square(fn(*inputs, *held)))
             return torch.autograd.grad(loss, sources)
 
         return [(self.compiler, run)]
 
-    def layer(self, layer, x, causal, mode):
-        def call(inputs):
-            return layer(inputs, inputs, use_causal_mask=causal)
+    def layer(self, layer, x, causal, mode, segment_ids=None):
+        def call(inputs, *segments):
+            return layer(inputs, inputs, use_causal_mask=causal,
+                         **_segments(segments))
 
         weights = [v.value for v in layer.trainable_weights]
-        return self.core(call, (x,), mode, weights)
+        return self.core(call, (x,), mode, weights, _held(segment_ids))
 
     def native(self, q, k, v, window, causal, scale, mode):
         """Compiled `flex_attention` with a sliding-window block mask.

@@ -21,8 +21,10 @@ def add_parser(commands):
         description="Times keras_mha.MultiHeadAttention, "
         "keras.layers.MultiHeadAttention and native attention kernels "
         "(forward, forward+backward, peak memory, decode) on each backend, "
-        "each in its own process. Matrix: --config FILE, by default the "
-        "packaged keras_mha/cli/matrices/bench.json.",
+        "each in its own process, and our layer with each feature (RoPE, "
+        "soft-cap, sinks, ALiBi, segment ids) against none. Matrix: "
+        "--config FILE, by default the packaged "
+        "keras_mha/cli/matrices/bench.json.",
     )
     parser.add_argument("--backends", metavar="A,B",
                         help="comma-separated (default: the config's, where "
@@ -45,9 +47,17 @@ def add_parser(commands):
                         "w=128, ours (layer and core), forward")
     parser.add_argument("--no-decode", action="store_true",
                         help="skip the decode benchmark")
+    parser.add_argument("--features", action="store_true",
+                        help="the feature cells only: our layer with RoPE, "
+                        "soft-cap, sinks, ALiBi or segment ids against "
+                        "plain (the config's features section: T=16384, "
+                        "w=128 by default); writes bench-features.json "
+                        "and report-features.md")
+    parser.add_argument("--no-features", action="store_true",
+                        help="skip the feature cells")
     parser.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
-                        help=f"folder for bench.json and bench.png "
-                        f"(default {DEFAULT_OUT})")
+                        help=f"folder for bench.json, report.md and "
+                        f"bench.png (default {DEFAULT_OUT})")
     parser.add_argument("--config", metavar="FILE",
                         help="matrix (default: the packaged "
                         "keras_mha/cli/matrices/bench.json)")
@@ -60,6 +70,16 @@ def run(args):
 
     if args.quick and args.long:
         raise CLIError("--quick and --long exclude each other")
+    if args.features:
+        for flag, given in (("--long", args.long),
+                            ("--no-features", args.no_features)):
+            if given:
+                raise CLIError(f"--features and {flag} exclude each other")
+        for flag, given in (("--lengths", args.lengths),
+                            ("--windows", args.windows)):
+            if given is not None:
+                raise CLIError(f"--features takes T and w from the config's "
+                               f"features section, not {flag}")
     overrides = {
         "lengths": plan.parse_list(args.lengths, "lengths", plan.length_item),
         "windows": plan.parse_list(args.windows, "windows", plan.window_item),
@@ -74,6 +94,10 @@ def run(args):
     config = plan.load_config(args.config, profile, overrides)
     if args.no_decode or args.long:
         config["decode"] = None
+    if args.no_features or args.long:
+        config["features"] = None
+    if args.features and config["features"] is None:
+        raise CLIError("--features: the config's features section is null")
     missing = [b for b in config["backends"] if not backend_installed(b)]
     if args.backends is not None and missing:
         raise CLIError(f"backend {missing[0]!r} is not installed "
@@ -86,10 +110,14 @@ def run(args):
     from keras_mha.cli.bench import report
 
     out = report.check_output_folder(args.out)
-    return _bench(config, out, long_case=args.long, skipped=missing)
+    case = "long" if args.long else "features" if args.features else None
+    return _bench(config, out, case, skipped=missing)
 
 
-def _bench(config, out, long_case, skipped):
+def _bench(config, out, case, skipped):
+    """Runs the units and writes the report. `case`: `None` (the matrix),
+    `"long"` (the matrix of the long profile, no plot) or `"features"`
+    (the feature cells only, no plot)."""
     from rich.console import Console
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
                                TextColumn, TimeElapsedColumn)
@@ -98,7 +126,7 @@ def _bench(config, out, long_case, skipped):
     from keras_mha.cli.bench import report
     from keras_mha.cli.bench import runner
 
-    units = {b: plan.units_for(b, config, decode=config["decode"] is not None)
+    units = {b: plan.units_for(b, config, only_features=case == "features")
              for b in config["backends"]}
     console = Console(highlight=False)
     if not console.is_terminal:
@@ -126,14 +154,16 @@ def _bench(config, out, long_case, skipped):
     started = time.perf_counter()
     bench = runner.Runner(config, log_folder=out, on_result=(
         None if errors.is_terminal else log_line))
-    json_path = os.path.join(out, "bench-long.json" if long_case
-                             else "bench.json")
+    suffix = f"-{case}" if case else ""
+    json_path = os.path.join(out, f"bench{suffix}.json")
+    markdown_path = os.path.join(out, f"report{suffix}.md")
 
     def document(missing):
         cells, decode, matmul = report.build_cells(config, units,
                                                    bench.results, missing)
+        features = report.build_features(units, bench.results, missing)
         found = {
-            "what": "keras-mha bench" + (" --long" if long_case else ""),
+            "what": "keras-mha bench" + (f" --{case}" if case else ""),
             "config": config,
             "machine": _machine(),
             "backends": config["backends"],
@@ -143,10 +173,12 @@ def _bench(config, out, long_case, skipped):
             "matmul": matmul,
             "cells": cells,
             "decode": decode,
+            "features": features,
             "seconds": round(time.perf_counter() - started, 1),
         }
-        if not long_case:
-            found["targets"] = report.targets(cells, config["backends"])
+        if case != "long":
+            found["targets"] = report.targets(cells, config["backends"],
+                                              features)
         return found
 
     interrupted = False
@@ -171,7 +203,9 @@ def _bench(config, out, long_case, skipped):
     report.print_report(console, final)
     report.write_json(json_path, final)
     console.print(f"wrote {json_path}")
-    if not long_case:
+    report.write_markdown(markdown_path, final, os.path.basename(json_path))
+    console.print(f"wrote {markdown_path}")
+    if case is None:
         png_path = os.path.join(out, "bench.png")
         console.print(report.write_plot(png_path, final)
                       or f"wrote {png_path}")

@@ -2,7 +2,11 @@
 and the caps. Nothing here touches a backend.
 
 A *cell* is one (backend, T, w, causal, implementation); it is measured in
-one or two *units*, one per mode (`forward`, `forward_backward`). Each unit
+one or two *units*, one per mode (`forward`, `forward_backward`). A
+*feature cell* is one (backend, feature) of the `features` section: our
+whole layer at one T and w with one feature of current models on (RoPE,
+soft-cap, sinks, ALiBi, segment ids), or none (`plain`, the baseline of
+its ratios); it has a unit per mode too. Each unit
 ends with a status: `ok`, `skipped`, `out of memory`, `timed out`, `error`,
 `n/a` or `not run` (interrupted), and every one but `ok` carries a reason.
 Units are never dropped.
@@ -35,6 +39,12 @@ SCOPE = {"keras": "layer", "ours": "layer", "ours_core": "core",
          "flex_attention": "core", "jax_dpa": "core"}
 LABELS = {"keras": "keras", "ours": "ours", "ours_core": "ours core",
           "flex_attention": "flex_attention", "jax_dpa": "jax.nn.dpa"}
+# Feature cells: our layer with one feature on; `plain` is the layer
+# without any, the baseline of every ratio (see `worker.feature_arguments`).
+FEATURES = ("plain", "rope", "soft_cap", "sinks", "alibi", "segments")
+FEATURE_LABELS = {"plain": "plain", "rope": "RoPE", "soft_cap": "soft-cap",
+                  "sinks": "sinks", "alibi": "ALiBi",
+                  "segments": "segment ids"}
 
 OK = "ok"
 SKIPPED = "skipped"
@@ -77,6 +87,9 @@ _DEFAULTS = {
     "matmul_repeats": 10,
     "decode": {"window": 512, "positions": [1024, 4096, 16384, 65536],
                "full_length": 65537, "repeats": 10},
+    "features": {"length": 16384, "window": 128, "causal": True,
+                 "features": list(FEATURES), "modes": list(MODES),
+                 "soft_cap": 50.0, "segments": 4},
 }
 _PROFILES = ("quick", "long")
 
@@ -205,11 +218,47 @@ def _check(config, where):
         if max(decode["positions"]) >= decode["full_length"]:
             fail("decode: every position must be < full_length (the full "
                  "cache needs a slot for it)")
+    if config["features"] is not None:
+        config["features"] = _check_features(config["features"], fail)
     # Keep the order given, drop repeats.
     for name in ("backends", "lengths", "windows", "causal",
                  "implementations", "modes"):
         config[name] = list(dict.fromkeys(config[name]))
     config["lengths"] = sorted(config["lengths"])  # caps extrapolate upwards
+
+
+def _check_features(features, fail):
+    """The checked `features` section, a new object (the defaults' stays
+    as it is), its lists without repeats."""
+    fields = {"length", "window", "causal", "features", "modes", "soft_cap",
+              "segments"}
+    if not isinstance(features, dict) or set(features) != fields:
+        fail("features must be null or an object with "
+             f"{', '.join(sorted(fields))}")
+    if not (_positive_int(features["length"])
+            and (features["window"] is None
+                 or _positive_int(features["window"]))
+            and isinstance(features["causal"], bool)
+            and _positive_number(features["soft_cap"])
+            and _positive_int(features["segments"])):
+        fail("features: length and segments must be positive integers, "
+             "window one or null, causal true or false and soft_cap a "
+             "positive number")
+    for name, allowed in (("features", FEATURES), ("modes", MODES)):
+        values = features[name]
+        if not isinstance(values, list) or not values or not set(
+            values
+        ) <= set(allowed):
+            fail(f"features: {name} must be a list drawn from "
+                 f"{', '.join(allowed)}, got {values!r}")
+    if "plain" not in features["features"]:
+        fail("features: features must include plain (the baseline of "
+             "every ratio)")
+    if features["segments"] > features["length"]:
+        fail("features: segments must be at most length (each segment "
+             "needs a token)")
+    return {**features, "features": list(dict.fromkeys(features["features"])),
+            "modes": list(dict.fromkeys(features["modes"]))}
 
 
 def parse_list(text, what, item):
@@ -272,6 +321,10 @@ def unit_id(unit):
     if unit["kind"] == "decode":
         return (f"{unit['backend']}|decode {unit['cache']} "
                 f"p={unit['position']}")
+    if unit["kind"] == "feature":
+        causal = "causal" if unit["causal"] else "bidirectional"
+        return (f"{unit['backend']}|feature {unit['feature']}|T={unit['T']}|"
+                f"w={unit['w']}|{causal}|{unit['mode']}")
     causal = "causal" if unit["causal"] else "bidirectional"
     return (f"{unit['backend']}|T={unit['T']}|w={unit['w']}|{causal}|"
             f"{unit['impl']}|{unit['mode']}")
@@ -283,27 +336,42 @@ def series_key(unit):
             unit["mode"])
 
 
-def units_for(backend, config, decode=True):
+def units_for(backend, config, only_features=False):
     """Every unit of one backend, in the order a worker runs them.
 
     The matmul rate comes first; attention units follow in increasing T (so
     each unit's caps can be predicted from the shorter ones), the two modes
-    of a cell next to each other (they share one built layer); decode last.
+    of a cell next to each other (they share one built layer); then the
+    feature cells, `plain` first; decode last. A section set to `None`
+    (`decode`, `features`) has no units; `only_features` keeps the feature
+    cells alone.
     """
-    units = [{"kind": "matmul", "backend": backend,
-              "size": config["matmul_size"],
-              "repeats": config["matmul_repeats"]}]
-    for length in config["lengths"]:
-        for window in config["windows"]:
-            for causal in config["causal"]:
-                for impl in implementations_for(backend, config):
-                    for mode in config["modes"]:
-                        units.append({
-                            "kind": "attention", "backend": backend,
-                            "T": length, "w": window, "causal": causal,
-                            "impl": impl, "mode": mode,
-                        })
-    if decode and config["decode"] is not None:
+    units = []
+    if not only_features:
+        units.append({"kind": "matmul", "backend": backend,
+                      "size": config["matmul_size"],
+                      "repeats": config["matmul_repeats"]})
+        for length in config["lengths"]:
+            for window in config["windows"]:
+                for causal in config["causal"]:
+                    for impl in implementations_for(backend, config):
+                        for mode in config["modes"]:
+                            units.append({
+                                "kind": "attention", "backend": backend,
+                                "T": length, "w": window, "causal": causal,
+                                "impl": impl, "mode": mode,
+                            })
+    spec = config["features"]
+    if spec is not None:
+        for feature in spec["features"]:
+            for mode in spec["modes"]:
+                units.append({
+                    "kind": "feature", "backend": backend,
+                    "T": spec["length"], "w": spec["window"],
+                    "causal": spec["causal"], "impl": "ours",
+                    "feature": feature, "mode": mode,
+                })
+    if not only_features and config["decode"] is not None:
         spec = config["decode"]
         for cache in ("rolling", "full"):
             for position in spec["positions"]:

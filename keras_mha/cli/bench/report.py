@@ -22,6 +22,9 @@ MIN_TRAINING_SPEEDUP = 10.0  # keras / ours, forward+backward
 MIN_NO_WINDOW_SPEED = 0.95  # keras time / ours time, w = none or w >= T
 MIN_JAX_CAUSAL_SPEEDUP = 2.0  # keras / ours, jax, causal, no window
 JAX_CAUSAL_LENGTH = 4096
+MAX_FEATURE_RATIO = 1.3  # a feature's time / plain time, each mode
+# Characters per line of `report.md`: the attention table is about 130 wide.
+MARKDOWN_WIDTH = 150
 
 
 # -------------------------------------------------------------------- cells
@@ -47,7 +50,7 @@ def build_cells(config, units_by_backend, results, missing="not run"):
                                if unit["cache"] == "rolling" else None),
                     **result,
                 })
-            else:
+            elif unit["kind"] == "attention":
                 key = (backend, unit["T"], unit["w"], unit["causal"],
                        unit["impl"])
                 cell = cells.setdefault(key, _new_cell(config, unit))
@@ -99,6 +102,58 @@ def _derive(cell, cells, matmul):
                     keras[mode]["time_s"] / result["time_s"])
 
 
+def build_features(units_by_backend, results, missing="not run"):
+    """Feature units and results -> the JSON document's `features`.
+
+    One row per (backend, feature): `backend`, `feature`, `label`, `T`,
+    `w`, `causal`, `path` (what our layer ran) and a result per mode. A
+    measured result of a feature other than `plain` has `ratio_to_plain`
+    (its time / plain's, same backend and mode) and `within_target`
+    (`ratio <= MAX_FEATURE_RATIO`); such a row has `target`: `met`, `not
+    met` or `n/a` over its modes (see `_feature_pass`).
+    """
+    rows = {}
+    for backend, units in units_by_backend.items():
+        for unit in units:
+            if unit["kind"] != "feature":
+                continue
+            row = rows.setdefault((backend, unit["feature"]), {
+                "backend": backend, "feature": unit["feature"],
+                "label": plan.FEATURE_LABELS[unit["feature"]],
+                "T": unit["T"], "w": unit["w"], "causal": unit["causal"],
+                "path": None,
+            })
+            result = dict(results.get(unit["id"]) or {
+                "status": plan.NOT_RUN, "reason": missing})
+            row[unit["mode"]] = result
+            row["path"] = row["path"] or result.get("path")
+    for (backend, feature), row in rows.items():
+        if feature == "plain":
+            continue
+        plain = rows.get((backend, "plain"), {})
+        for mode in plan.MODES:
+            result, base = row.get(mode), plain.get(mode)
+            if _ok(result) and _ok(base):
+                ratio = result["time_s"] / base["time_s"]
+                result["ratio_to_plain"] = ratio
+                result["within_target"] = ratio <= MAX_FEATURE_RATIO
+        row["target"] = _status([_feature_pass(row.get(mode), plain.get(mode))
+                                 for mode in plan.MODES if row.get(mode)])
+    return list(rows.values())
+
+
+def _feature_pass(result, plain):
+    """Whether one feature unit meets its target: its ratio, else `False`
+    where it or plain ran and gave no time (error, out of memory, timed
+    out), `None` where either was not measured (skipped, not run)."""
+    if result and "within_target" in result:
+        return result["within_target"]
+    failed = (plan.ERROR, plan.OUT_OF_MEMORY, plan.TIMED_OUT)
+    if any((r or {}).get("status") in failed for r in (result, plain)):
+        return False
+    return None
+
+
 # ------------------------------------------------------------------ targets
 
 
@@ -129,30 +184,35 @@ def _w(window):
     return "none" if window is None else window
 
 
+def _status(passes, need_all=True):
+    """`passes`: each True, False or None (not measured) -> `met`, `not
+    met` or `n/a`."""
+    measured = [passed for passed in passes if passed is not None]
+    if not measured:
+        return "n/a"
+    passed = all(measured) if need_all else any(measured)
+    return "met" if passed else "not met"
+
+
 def _verdict(checks, need_all=True):
     """checks: list of (passed or None, text) -> (status, detail)."""
-    measured = [passed for passed, _ in checks if passed is not None]
     detail = "; ".join(text for _, text in checks) or "no data"
-    if not measured:
-        return "n/a", detail
-    passed = all(measured) if need_all else any(measured)
-    return ("met" if passed else "not met"), detail
+    return _status([passed for passed, _ in checks], need_all), detail
 
 
-def targets(cells, backends):
+def targets(cells, backends, features=()):
     """The issues' targets: `[{"id", "target", "status", "detail"}]`.
 
     Status: `met`, `not met`, `n/a` (not measured in this run) or `info`
-    (a number the issues ask for, without a threshold).
+    (a number the issues ask for, without a threshold). The attention
+    cells' targets where the run has cells, the features' where it has
+    feature rows (`build_features`).
     """
-    out = []
-    for check in _TARGETS:
-        found = check(cells, backends)
-        if found is not None:
-            key, name, status, detail = found
-            out.append({"id": key, "target": name, "status": status,
-                        "detail": detail})
-    return out
+    found = [check(cells, backends) for check in _TARGETS] if cells else []
+    if features:
+        found.append(_feature_ratios(features, backends))
+    return [{"id": key, "target": name, "status": status, "detail": detail}
+            for key, name, status, detail in filter(None, found)]
 
 
 _T, _W = TARGET_LENGTH, TARGET_WINDOW
@@ -335,6 +395,54 @@ def _jax_causal_speedup(cells, backends):
             status, detail)
 
 
+def _feature_ratios(features, backends):
+    """Every feature within `MAX_FEATURE_RATIO` of plain, on every backend
+    and in every mode: per backend the worst ratio and each miss."""
+    passes, notes = [], []
+    for backend in backends:
+        rows = {r["feature"]: r for r in features if r["backend"] == backend}
+        plain = rows.pop("plain", {})
+        ratios, misses = [], []
+        for row in rows.values():
+            for mode in plan.MODES:
+                result = row.get(mode)
+                if not result:
+                    continue
+                passes.append(_feature_pass(result, plain.get(mode)))
+                where = f"{row['label']} {_mode_name(mode)}"
+                if "ratio_to_plain" in result:
+                    ratios.append((result["ratio_to_plain"], where))
+                    if not result["within_target"]:
+                        misses.append(f"{where} "
+                                      f"{result['ratio_to_plain']:.2f}x")
+                elif not _ok(result):
+                    misses.append(f"{where}: {_short(result)}")
+                else:
+                    misses.append(f"{where}: plain "
+                                  f"{_short(plain.get(mode))}")
+        if not rows:
+            continue
+        text = f"{backend}: " + (
+            "worst {1} {0:.2f}x".format(*max(ratios)) if ratios
+            else "no ratio")
+        if misses:
+            text += (f" (above {MAX_FEATURE_RATIO:g}x or unmeasured: "
+                     f"{', '.join(misses)})")
+        notes.append(text)
+    first = features[0]
+    names = ", ".join(dict.fromkeys(
+        r["label"] for r in features if r["feature"] != "plain"))
+    return ("feature_ratios", f"T={first['T']}, w={_w(first['w'])}"
+            f"{', causal' if first['causal'] else ''}, ours: each feature "
+            f"({names}) <= {MAX_FEATURE_RATIO:g}x the plain time, forward "
+            "and forward+backward", _status(passes),
+            "; ".join(notes) or "no data")
+
+
+def _mode_name(mode):
+    return {"forward": "fwd", "forward_backward": "fwd+bwd"}[mode]
+
+
 _TARGETS = (_roofline, _keras_over_ours, _completes_on_tensorflow,
             _peak_memory, _linear_scaling, _core_vs_matmul, _core_vs_flex,
             _training_speedup, _no_regression, _jax_causal_speedup)
@@ -359,12 +467,13 @@ def _short(result):
             plan.NOT_RUN: "not run"}.get(status, str(status))
 
 
-def _time_text(result, footnotes):
-    """Seconds, or why not; a footnote for failures and compiler notes."""
+def _time_text(result, footnotes, scale=1):
+    """Seconds (times `scale`), or why not; a footnote for failures and
+    compiler notes."""
     from rich.text import Text
 
     if _ok(result):
-        text, note, style = Text(f"{result['time_s']:.4g}"), \
+        text, note, style = Text(f"{result['time_s'] * scale:.4g}"), \
             result.get("note"), None
     else:
         text, note = Text(_short(result)), None
@@ -384,6 +493,19 @@ def _time_text(result, footnotes):
 
 
 def print_report(console, document):
+    """Every table of `document`, then its targets."""
+    if document["cells"]:
+        print_cells(console, document)
+    if document["decode"]:
+        print_decode(console, document)
+    if document.get("features"):
+        print_features(console, document["features"])
+    if document.get("targets"):
+        print_targets(console, document["targets"])
+
+
+def print_cells(console, document):
+    """The attention cells' table, with the matmul rates above it."""
     from rich.table import Table
     from rich.text import Text
 
@@ -455,11 +577,6 @@ def print_report(console, document):
                           f"{c['forward']['block_mask_s']:.3g}"
                           for c in extras), soft_wrap=True)
 
-    if document["decode"]:
-        print_decode(console, document)
-    if document.get("targets"):
-        print_targets(console, document["targets"])
-
 
 def _cell_order(cell):
     impls = ("keras", "ours", "ours_core", "flex_attention", "jax_dpa")
@@ -492,14 +609,56 @@ def print_decode(console, document):
     console.print(table)
 
 
+def print_features(console, rows):
+    """One table per backend: each feature's times and ratios to plain."""
+    from rich.table import Table
+    from rich.text import Text
+
+    console.print(
+        "Features: our whole layer with one feature on (plain: none), "
+        "median milliseconds per call; x plain = this time / plain's, same "
+        f"backend and mode; target: <= {MAX_FEATURE_RATIO:g}x in both "
+        "modes; path = the attention path the layer took.", soft_wrap=True,
+    )
+    footnotes = []
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        first = next(r for r in rows if r["backend"] == backend)
+        table = Table(title=f"features, {backend}, T={first['T']}, "
+                      f"w={_w(first['w'])}"
+                      f"{', causal' if first['causal'] else ''}")
+        for column in ("feature", "path", "fwd ms", "x plain", "fwd+bwd ms",
+                       "x plain", "target"):
+            table.add_column(column, justify="left" if column in (
+                "feature", "path", "target") else "right")
+        for row in rows:
+            if row["backend"] != backend:
+                continue
+            cells = [row["label"], row["path"] or "-"]
+            for mode in plan.MODES:
+                result = row.get(mode)
+                cells.append(_time_text(result, footnotes, scale=1e3))
+                cells.append(f"{result['ratio_to_plain']:.2f}x"
+                             if result and "ratio_to_plain" in result
+                             else "-")
+            target = row.get("target", "baseline")
+            cells.append(Text(target, style=_STATUS_STYLES.get(target, "")))
+            table.add_row(*cells)
+        console.print(table)
+    for number, reason in enumerate(footnotes, start=1):
+        console.print(Text(f"[{number}] {reason}"), soft_wrap=True)
+
+
+_STATUS_STYLES = {"met": "green", "not met": "bold red", "n/a": "dim",
+                  "info": "cyan"}
+
+
 def print_targets(console, items):
     from rich.text import Text
 
     console.print(Text("targets", style="bold"))
-    styles = {"met": "green", "not met": "bold red", "n/a": "dim",
-              "info": "cyan"}
     for item in items:
-        line = Text(f"  {item['status']:>7}  ", style=styles[item["status"]])
+        line = Text(f"  {item['status']:>7}  ",
+                    style=_STATUS_STYLES[item["status"]])
         line.append(f"{item['target']}: {item['detail']}", style="default")
         console.print(line, soft_wrap=True)
 
@@ -510,6 +669,46 @@ def print_targets(console, items):
 def write_json(path, document):
     with open(path, "w", encoding="utf-8") as file:
         json.dump(_finite(document), file, indent=1)
+
+
+def write_markdown(path, document, json_name):
+    """The whole report, as the terminal shows it, in a Markdown file.
+
+    The tables are `print_report`'s own, rendered without colour at a fixed
+    width into one text block, under a line that names the run, the machine
+    and the versions; `json_name` is the JSON file beside it.
+    """
+    import io
+
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=MARKDOWN_WIDTH, color_system=None,
+                      force_terminal=False, highlight=False)
+    print_report(console, document)
+    machine = document["machine"]
+    versions = ", ".join(
+        f"{backend} {info.get('version') or '?'}"
+        for backend, info in document["backend_info"].items())
+    keras = {info.get("keras") for info in document["backend_info"].values()
+             if info.get("keras")}
+    if keras:
+        versions += f", keras {', '.join(sorted(keras))}"
+    lines = [
+        f"# `{document['what']}`",
+        "",
+        f"{document['seconds']:.0f} s on {machine['platform']} "
+        f"({machine['processor']}, {machine['cpus']} CPUs, Python "
+        f"{machine['python']}); {versions or 'no backend started'}. Every "
+        f"unit, with the reason of each skip, is in `{json_name}`.",
+        "",
+        "```text",
+        *(line.rstrip() for line in buffer.getvalue().rstrip().splitlines()),
+        "```",
+        "",
+    ]
+    with open(path, "w", encoding="utf-8") as file:
+        file.write("\n".join(lines))
 
 
 def _finite(value):

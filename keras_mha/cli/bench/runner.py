@@ -333,6 +333,8 @@ def _compiler_key(unit):
     and the same cell at every T)."""
     if unit["kind"] == "attention":
         return (unit["backend"], unit["impl"], unit["w"], unit["causal"])
+    if unit["kind"] == "feature":
+        return (unit["backend"], unit["kind"], unit["feature"])
     return (unit["backend"], unit["kind"], unit.get("cache"))
 
 
@@ -342,5 +344,7 @@ def describe(unit):
     if unit["kind"] == "decode":
         return f"{unit['backend']} decode {unit['cache']} p={unit['position']}"
     window = "none" if unit["w"] is None else unit["w"]
-    return (f"{unit['backend']} T={unit['T']} w={window} "
-            f"{plan.LABELS[unit['impl']]} {unit['mode'].replace('_', '+')}")
+    what = (plan.LABELS[unit["impl"]] if unit["kind"] == "attention"
+            else f"ours, {plan.FEATURE_LABELS[unit['feature']]}")
+    return (f"{unit['backend']} T={unit['T']} w={window} {what} "
+            f"{unit['mode'].replace('_', '+')}")

@@ -8,6 +8,9 @@ then `{"event": "result", "id", "result"}`. Whatever libraries print goes
 to stderr (the parent's log file). The parent (`runner.py`) owns the
 time-outs and replaces a worker that died.
 
+A feature unit is an attention unit of our whole layer with one feature on
+(`feature_arguments`); it records the path the layer takes like the others.
+
 A unit is timed after a warm-up call (compilation included, reported as
 `first_call_s`); the timed calls are `repeats` (fewer if they would take
 longer than the time cap together), the result their median. Peak memory
@@ -54,6 +57,38 @@ def is_oom(error):
     )
 
 
+# ----------------------------------------------------------------- features
+
+
+def feature_arguments(feature, config):
+    """`(layer arguments, segment count)` of a feature cell: what
+    `keras_mha.MultiHeadAttention` gets on top of `sliding_window`, and how
+    many equal segments the call's `segment_ids` split each row into (0:
+    no `segment_ids`)."""
+    import keras_mha
+
+    spec = config["features"]
+    if feature == "rope":
+        return {"rotary_embedding": keras_mha.RotaryEmbedding()}, 0
+    if feature == "soft_cap":
+        return {"attn_logits_soft_cap": spec["soft_cap"]}, 0
+    if feature == "sinks":
+        return {"use_sinks": True}, 0
+    if feature == "alibi":
+        return {"use_alibi": True}, 0
+    if feature == "segments":
+        return {}, spec["segments"]
+    if feature == "plain":
+        return {}, 0
+    raise ValueError(f"unknown feature {feature!r}")
+
+
+def segment_ids(batch, t_len, count):
+    """`(B, T)` int32: `count` equal runs of ids 0, 1, ... per row."""
+    ids = np.arange(t_len) * count // t_len  # (T,)
+    return np.broadcast_to(ids, (batch, t_len)).astype("int32")
+
+
 # -------------------------------------------------------------------- units
 
 
@@ -87,6 +122,7 @@ class Worker:
             return self.matmul(unit)
         if unit["kind"] == "decode":
             return self.decode(unit)
+        # An attention or a feature unit.
         return self.attention(unit, history, memory_cap_bytes)
 
     # --- timing
@@ -193,9 +229,18 @@ class Worker:
         ])
         return layer
 
+    def _layer_arguments(self, unit):
+        """`(arguments, segment count)` of our layer in `unit` (see
+        `feature_arguments`): none for an attention unit."""
+        if unit["kind"] != "feature":
+            return {}, 0
+        return feature_arguments(unit["feature"], self.config)
+
     def _cell(self, unit):
-        """The built layer and input, or q, k, v, of `unit`'s cell."""
-        key = (unit["impl"], unit["T"], unit["w"], unit["causal"])
+        """The built layer and input (and segment ids), or q, k, v, of
+        `unit`'s cell."""
+        key = (unit["impl"], unit["T"], unit["w"], unit["causal"],
+               unit.get("feature"))
         if key == self._setup_key:
             return self._setup
         self.drop_setup()
@@ -207,10 +252,15 @@ class Worker:
 
             cls = (self.keras.layers.MultiHeadAttention if impl == "keras"
                    else keras_mha.MultiHeadAttention)
+            arguments, segments = self._layer_arguments(unit)
             setup = {
-                "layer": self._layer(cls, t_len, sliding_window=unit["w"]),
+                "layer": self._layer(cls, t_len, sliding_window=unit["w"],
+                                     **arguments),
                 "x": self.backend.tensor(
                     self._random((batch, t_len, heads * head))),
+                "segment_ids": self.backend.tensor(
+                    segment_ids(batch, t_len, segments)) if segments
+                else None,
             }
         else:
             shape = ((batch, heads, t_len, head) if impl == "flex_attention"
@@ -228,14 +278,16 @@ class Worker:
         import keras_mha
 
         config = self.config
+        arguments, segments = self._layer_arguments(unit)
         layer = keras_mha.MultiHeadAttention(
             num_heads=config["num_heads"], key_dim=config["key_dim"],
-            sliding_window=unit["w"],
+            sliding_window=unit["w"], **arguments,
         )
         shape = (config["batch"], unit["T"],
                  config["num_heads"] * config["key_dim"])  # (B, T, E)
         return layer.attention_path(shape, shape,
-                                    use_causal_mask=unit["causal"])
+                                    use_causal_mask=unit["causal"],
+                                    segment_ids=bool(segments))
 
     def complexity(self, unit):
         """`(complexity, path, analytic bytes)` of an attention unit.
@@ -301,7 +353,8 @@ class Worker:
         setup = self._cell(unit)
         if plan.SCOPE[impl] == "layer":
             candidates = self.backend.layer(setup["layer"], setup["x"],
-                                            unit["causal"], mode)
+                                            unit["causal"], mode,
+                                            setup["segment_ids"])
         elif impl == "ours_core":
             candidates = self.backend.core(self.core_fn(unit), setup["qkv"],
                                            mode)
