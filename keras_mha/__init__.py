@@ -1,5 +1,6 @@
 """keras-mha: multi-head attention for Keras 3 on every backend."""
 
+from keras_mha.cached import CachedMultiHeadAttention
 from keras_mha.convert import from_keras
 from keras_mha.convert import from_torch
 from keras_mha.distribution import layout_map
@@ -10,6 +11,7 @@ from keras_mha.rotary import RotaryEmbedding
 __version__ = "0.1.0"
 
 __all__ = [
+    "CachedMultiHeadAttention",
     "GroupedQueryAttention",
     "MultiHeadAttention",
     "RotaryEmbedding",

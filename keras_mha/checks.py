@@ -366,8 +366,10 @@ def feature_arguments(
 def cache_index(index, length, num_slots, rolling):
     """Checks `cache_update_index`: a Python or scalar integer tensor.
 
-    A Python int must fit a full cache of `num_slots` with `length` new
-    tokens.
+    An index with a value (a Python int, or a tensor in an eager call) must
+    fit a full cache of `num_slots` with `length` new tokens. A traced one
+    cannot be checked; an out-of-range write then writes nothing (see
+    `cache._write_run`).
     """
     if isinstance(index, bool) or not (
         isinstance(index, numbers.Integral)
@@ -381,8 +383,9 @@ def cache_index(index, length, num_slots, rolling):
             "`cache_update_index` must be an integer or a scalar integer "
             f"tensor. Received: cache_update_index={index!r}"
         )
-    if isinstance(index, numbers.Integral):
-        index = int(index)
+    value = cache_lib.concrete_int(index)  # `None` when traced
+    if value is not None:
+        index = value
         if index < 0 or (
             not rolling and length is not None and index + length > num_slots
         ):

@@ -13,6 +13,7 @@ from keras_mha import checks
 from keras_mha import describe as describe_lib
 from keras_mha import projections
 from keras_mha.attention import attend
+from keras_mha.attention import attend_cached
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
@@ -384,19 +385,12 @@ class MultiHeadAttention(keras.layers.Layer):
             key_segment_ids,
         )
         new_cache = None
-        if cache is not None:
-            k, v, keys_valid, key_positions, new_cache = (
-                cache_lib.attend_inputs(
-                    cache, k, v, key_tokens, cache_update_index,
-                    self.rolling_cache,
-                )
+        if cache is None:
+            context, scores = attend(q, k, v, spec)  # (B', T, N, V)
+        else:
+            context, scores, new_cache = attend_cached(
+                q, k, v, spec, cache, cache_update_index, self.rolling_cache
             )
-            spec = spec.replace(
-                query_offset=cache_update_index,
-                key_positions=key_positions,
-                key_mask=keys_valid,
-            )
-        context, scores = attend(q, k, v, spec)  # (B', T, N, V)
 
         context = layout.from_sequence(context, query)  # (B, ..., N, V)
         if gate is not None:
@@ -478,7 +472,14 @@ class MultiHeadAttention(keras.layers.Layer):
         Returns:
             A tensor `(B, L, K, H + V + 1)` in the layer's compute dtype:
             keys, values and a per-slot "real token" flag (see
-            `keras_mha.cache`). `L` is `max_length`, or `w` when rolling.
+            `keras_mha.attention.cache`). `L` is `max_length`, or
+            `left + 1` (`w`) when rolling.
+
+        A call with `cache=` writes its tokens in place where the backend
+        allows: on torch the returned cache is the tensor passed in,
+        updated; in eager JAX the cache passed in is donated (do not use it
+        again); under `jax.jit` with donation and XLA the write reuses the
+        buffer.
         """
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_length", max_length)

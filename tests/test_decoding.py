@@ -243,11 +243,43 @@ class TestCacheErrors:
                   cache=np.zeros((2, 8, 2, 9), "float32"), cache_update_index=0)
 
     @pytest.mark.parametrize("index", [-1, 6])
-    def test_index_out_of_range(self, rng, index):
+    @pytest.mark.parametrize("as_tensor", [False, True])
+    def test_index_out_of_range(self, rng, index, as_tensor):
+        """Eager calls check a tensor index as they check an int."""
         x, layer = self._layer(rng)
-        with pytest.raises(ValueError, match="cache_update_index"):
+        if as_tensor:
+            index = keras.ops.convert_to_tensor(index, dtype="int32")
+        with pytest.raises(ValueError, match=r"cache_update_index=(-1|6)\b"):
             layer(x, x, use_causal_mask=True, cache=layer.init_cache(2, 8),
                   cache_update_index=index)
+
+    def test_traced_index_out_of_range_writes_nothing(self, rng):
+        """Under `jax.jit` / `tf.function(jit_compile=True)` no error can be
+        raised: the write is dropped (never a clamped slot), the same on
+        every backend. Eager elsewhere, where the check above raises."""
+        x, layer = self._layer(rng)
+        if BACKEND not in ("jax", "tensorflow"):
+            pytest.skip("traces on jax and tf")
+
+        def step(token, cache, index):
+            return layer(token, token, use_causal_mask=True, cache=cache,
+                         cache_update_index=index)
+
+        if BACKEND == "jax":
+            import jax
+
+            step = jax.jit(step)
+        else:
+            import tensorflow as tf
+
+            step = tf.function(step, jit_compile=True)
+        cache = layer.init_cache(2, 8)
+        _, cache = step(x[:, :1], cache, keras.ops.convert_to_tensor(0, "int32"))
+        before = to_numpy(cache)
+        for index in (8, 100, -3):
+            _, after = step(x[:, 1:2], cache,
+                            keras.ops.convert_to_tensor(index, "int32"))
+            np.testing.assert_array_equal(to_numpy(after), before)
 
     def test_attention_mask_is_rejected(self, rng):
         x, layer = self._layer(rng)

@@ -78,15 +78,12 @@ def geometries(draw, self_attention_only=False, ci_geometries=CI_GEOMETRIES):
     num_kv_heads = draw(st.sampled_from(
         [k for k in range(1, num_heads + 1) if num_heads % k == 0]
     ))
-    sizes = [1, 2, 4]
-    if BACKEND == "tensorflow" and (
-        {query_length, key_length} & {num_heads, num_kv_heads}
-    ):
-        # Keras 3.15's TensorFlow `ops.add` takes a bias `(heads, 1)` for a
-        # channel bias and adds it along axis 1 when that axis has `heads`
-        # entries: `EinsumDense` (so Keras's own layer too) projects wrongly
-        # when a head has size 1 and the sequence is as long as the heads.
-        sizes = [2, 4]
+    # Keras 3.15's TensorFlow `ops.add` takes a bias `(heads, 1)` for a
+    # channel bias and adds it along axis 1 when that axis has `heads`
+    # entries: `EinsumDense` (so Keras's own layer too) projects wrongly on
+    # TensorFlow when a head has size 1 and a sequence (or a decoding chunk)
+    # is as long as the heads are many.
+    sizes = [2, 4] if BACKEND == "tensorflow" else [1, 2, 4]
     key_dim = draw(st.sampled_from(sizes))
     return (
         draw(st.integers(1, 3)),

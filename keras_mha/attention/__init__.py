@@ -8,14 +8,18 @@ masks from the spec with the position rule of `masks.py`:
 - `fused.py`: `keras.ops.dot_product_attention`;
 - `banded.py`: sliding windows in O(T·w);
 - `triangular.py`: causal self-attention without the upper triangle;
-- `cache.py`: the key/value cache that decoding reads and writes;
+- `cache.py`: the key/value cache that decoding reads and writes, and
+  `decode.py`: attention over the cache itself, reading only what a step
+  sees (`attend_cached` picks between them and the paths above);
 - `kernels.py`: backend kernels behind the portable paths' interfaces.
 
 Nothing here imports the layer or the command line.
 """
 
+from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import dispatch
 from keras_mha.attention.banded import banded_attention
+from keras_mha.attention.decode import decode_attention
 from keras_mha.attention.explicit import explicit_attention
 from keras_mha.attention.fused import fused_attention
 from keras_mha.attention.spec import AttentionSpec
@@ -46,4 +50,55 @@ def attend(query, key, value, spec):
     return triangular_attention(query, key, value, spec), None
 
 
-__all__ = ["AttentionSpec", "attend", "dispatch"]
+def attend_cached(query, key, value, spec, cache, index, rolling):
+    """Attention of a decoding call, and the cache after its write.
+
+    Three routes, all with the same numbers (`dispatch.cache_route`):
+
+    - `"prompt"`: a Python index 0 (an empty cache): the tokens attend to
+      themselves on any path (`banded` for a window, the causal kernels
+      otherwise), and are written.
+    - `"in_place"`: the tokens are written first, then `decode_attention`
+      reads the cache itself up to the last position (a full cache) or
+      its `w` slots (a rolling cache, one token).
+    - `"concatenated"`: the cache's old slots followed by the new tokens
+      on the explicit or fused path (returned weights, dropout, several
+      tokens in a rolling cache).
+
+    Args:
+        query: `(B, T, N, H)`.
+        key: the new tokens' keys `(B, T, K, H)`.
+        value: their values `(B, T, K, V)`.
+        spec: the call's spec; its `key_mask` marks the new real tokens.
+        cache: `(B, L, K, H + V + 1)`.
+        index: the position of the first new token (int or tensor).
+        rolling: whether slot = position mod L.
+
+    Returns:
+        `(output, weights, new_cache)`; weights `(B, N, T, L + T)` (the
+        old slots, then the new tokens) when `spec.return_weights`.
+    """
+    route = dispatch.cache_route(spec, query.shape[1], index, rolling)
+    if route == dispatch.PROMPT:
+        output, weights = attend(query, key, value, spec)
+        new_cache = cache_lib.write(cache, key, value, spec.key_mask, 0,
+                                    rolling)
+        return output, weights, new_cache
+    if route == dispatch.IN_PLACE:
+        new_cache = cache_lib.write(cache, key, value, spec.key_mask, index,
+                                    rolling)
+        spec = spec.replace(query_offset=index, key_mask=None)
+        return decode_attention(query, new_cache, spec, rolling), None, \
+            new_cache
+    keys, values, keys_valid, key_positions, new_cache = (
+        cache_lib.attend_inputs(cache, key, value, spec.key_mask, index,
+                                rolling)
+    )
+    spec = spec.replace(
+        query_offset=index, key_positions=key_positions, key_mask=keys_valid
+    )
+    output, weights = attend(query, keys, values, spec)
+    return output, weights, new_cache
+
+
+__all__ = ["AttentionSpec", "attend", "attend_cached", "dispatch"]

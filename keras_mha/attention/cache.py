@@ -9,23 +9,42 @@ Positions: a full cache stores position `p` in slot `p`. A rolling cache
 (causal sliding window `w`) has `L = w` slots and stores position `p` in
 slot `p mod w`, so it never grows. Which position a slot holds is derived
 from the write index alone; nothing else is stored.
+
+Writes touch the new slots only, in place where the backend allows
+(`kernels.write_slots`: torch, eager JAX); `decode.py` reads the cache a
+block of slots at a time, each block one contiguous run.
 """
 
+import numbers
+
+import keras
 from keras import ops
 
+
+def concrete_int(x):
+    """`x` as a Python int when it has a value (a Python int, or a tensor in
+    an eager call); `None` when it is traced (`jax.jit`, `tf.function`)."""
+    if isinstance(x, numbers.Integral):
+        return int(x)
+    try:
+        return int(ops.convert_to_numpy(x))
+    except Exception:  # a tracer or a symbolic tensor: no value yet
+        return None
 
 
 def cache_shape(batch_size, num_slots, num_kv_heads, key_dim, value_dim):
     return (batch_size, num_slots, num_kv_heads, key_dim + value_dim + 1)
 
 
-def slot_positions(index, num_slots, rolling):
-    """Positions held by each slot before writing at `index`: `(L,)`.
+def slot_positions(index, num_slots, rolling, slots=None):
+    """Positions held by each slot before writing at `index`: `(L,)`, or
+    of the slots `slots` only.
 
     A slot that holds no written position gets a negative position (a full
     cache's slots at or after `index` are stale or empty as well).
     """
-    slots = ops.arange(num_slots, dtype="int32")
+    if slots is None:
+        slots = ops.arange(num_slots, dtype="int32")
     index = ops.cast(index, "int32")
     if not rolling:
         return ops.where(slots < index, slots, -1)
@@ -65,14 +84,15 @@ def write(cache, key, value, valid, index, rolling):
         [ops.cast(key, cache.dtype), ops.cast(value, cache.dtype), flag],
         axis=-1,
     )  # (B, T, K, H + V + 1)
-    index = ops.cast(index, "int32")
     if not rolling or length == 1:
-        # One contiguous run of slots: write it in place, O(T) not O(L).
-        # (A full cache's index is range-checked by the layer when it is a
-        # Python int; a rolling cache's single slot is `index mod L`.)
-        start = ops.mod(index, num_slots) if rolling else index
-        zero = ops.zeros((), "int32")
-        return ops.slice_update(cache, (zero, start, zero, zero), new)
+        # One contiguous run of slots: O(T), not O(L); in place on torch
+        # (no gradient), and under `jax.jit` with the cache donated or XLA.
+        if rolling:
+            start = ops.mod(ops.cast(index, "int32"), num_slots)
+        else:
+            start = index
+        return _write_run(cache, new, start, rolling)
+    index = ops.cast(index, "int32")
     # Several tokens in a ring: the newest one landing in each slot
     # (negative: none), so a prompt longer than `L` keeps its last `L`.
     slots = ops.arange(num_slots, dtype="int32")
@@ -80,6 +100,35 @@ def write(cache, key, value, valid, index, rolling):
     written = ops.logical_and(source >= 0, source < length)  # (L,)
     gathered = ops.take(new, ops.clip(source, 0, length - 1), axis=1)
     return ops.where(written[None, :, None, None], gathered, cache)
+
+
+def _write_run(cache, new, start, rolling):
+    """`new` `(B, T, ...)` written into slots `[start, start + T)`.
+
+    A full cache's index is checked when it has a value (`checks.py`).
+    Traced, an out-of-range run (`start < 0` or past the last slot) writes
+    nothing on every backend, rather than the clamped slots that
+    `dynamic_update_slice` would write.
+    """
+    length, num_slots = new.shape[1], cache.shape[1]
+    if keras.backend.backend() in ("torch", "jax"):
+        import keras_mha.attention.kernels as kernels
+
+        if kernels.can_write_slots(cache):
+            return kernels.write_slots(cache, new, start)
+    zero = ops.zeros((), "int32")
+    if not rolling and not isinstance(start, int):
+        start = ops.cast(start, "int32")
+        fits = ops.logical_and(start >= 0, start + length <= num_slots)
+        clamped = ops.clip(start, 0, num_slots - length)
+        old = ops.slice(
+            cache, (zero, clamped, zero, zero),
+            (ops.shape(cache)[0], length) + tuple(cache.shape[2:]),
+        )
+        new = ops.where(fits, new, old)
+        start = clamped
+    return ops.slice_update(cache, (zero, start, zero, zero), new)
+
 
 
 def attend_inputs(cache, key, value, key_mask, index, rolling):

@@ -22,13 +22,17 @@ is cheapest (`choose_path`):
    where the fused kernel does not take the head sizes (`H != V` on JAX)
    or the call has a soft-cap (the kernels have it only on TPUs).
 
-A cache (decoding) puts its keys at the positions of their slots, which
-only `fused` and `explicit` serve.
+A cache (decoding) takes one of three routes (`cache_route`): `prompt`,
+the tokens of a call at the Python index 0 attending to themselves on the
+paths above; `in_place`, the tokens written first and the cache read up to
+the last position (`decode.py`); `concatenated`, the old slots and the new
+tokens at their positions on `fused` or `explicit`.
 """
 
 import collections
 import contextlib
 import contextvars
+import numbers
 
 import keras
 
@@ -48,6 +52,11 @@ BANDED_MIN_LENGTH = 256
 # took a third of the fused kernel's time, at T = 512 they were even.
 TRIANGULAR_MIN_LENGTH = 1024
 TRIANGULAR_BACKENDS = ("jax",)
+
+PROMPT = "prompt"
+IN_PLACE = "in_place"
+CONCATENATED = "concatenated"
+CACHE_ROUTES = (PROMPT, IN_PLACE, CONCATENATED)
 
 
 class Shapes(
@@ -157,3 +166,21 @@ def choose_path(spec, shapes, backend=None):
     ):
         return TRIANGULAR
     return FUSED if can_serve(FUSED, spec, shapes, backend) else EXPLICIT
+
+
+def cache_route(spec, query_length, index, rolling):
+    """Which route a call with a cache takes: one of `CACHE_ROUTES`.
+
+    Args:
+        spec: the call's spec, before the cache's positions are added.
+        query_length: `T`, the new tokens.
+        index: `cache_update_index` (a Python int or a tensor).
+        rolling: whether the cache is a rolling buffer.
+    """
+    if spec.return_weights:  # weights over the old slots and the new tokens
+        return CONCATENATED
+    if isinstance(index, numbers.Integral) and index == 0:
+        return PROMPT
+    if spec.dropout or (rolling and query_length != 1):
+        return CONCATENATED
+    return IN_PLACE

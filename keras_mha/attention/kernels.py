@@ -1,4 +1,4 @@
-"""Backend kernels behind the interfaces of the portable paths (torch).
+"""Backend kernels behind the interfaces of the portable paths.
 
 Only what measurably beats the `keras.ops` version lives here, and each
 function computes exactly what its portable twin computes (the tests run
@@ -11,13 +11,24 @@ torch: `banded_core` hands the blocks of the band to
 banded forward about 2x faster and the backward about 1.5x faster than the
 `keras.ops` version at `T = 16384`, `w = 128` (see `banded.py`).
 
-Imported only on the torch backend, by the paths that use it.
+Cache writes (`cache.py`): `ops.slice_update` copies the whole cache in an
+eager call (torch clones it; JAX arrays are immutable), O(L) per token.
+`write_slots` writes the `T` new slots in place instead: torch's `copy_`
+into the slots, and on JAX a jitted `dynamic_update_slice` that donates the
+cache, so XLA reuses its buffer. Measured on the 2-core CPU (one token,
+8 heads of 64, p = 1024): a step in a 65,536-slot cache went from 368 to
+3.2 ms on torch and from 102 to about the 2,048-slot time on JAX.
+
+Each function imports its backend: the module is imported only by the
+paths that use it, on that backend.
 """
 
-import torch
+import functools
 
 
 def banded_core(query, key, value, mask, scale, band):
+    import torch
+
     """`banded._portable_core` with torch's fused attention kernel.
 
     Args:
@@ -61,6 +72,8 @@ def banded_core(query, key, value, mask, scale, band):
 
 def _spans(x, band):
     """Keys `(B, S, K, X)` -> spans `(B·K, n, span, X)`."""
+    import torch
+
     batch, _, num_kv, features = x.shape
     first, last, before, after = band.frame_bounds()
     # One copy moves the heads forward and pads the frame: (B, K, F, X).
@@ -83,3 +96,50 @@ def _spans(x, band):
     return torch.cat(shifted, dim=2).reshape(
         batch * num_kv, n, band.span, features
     )
+
+
+def write_slots(cache, new, start):
+    """`cache` with `new` `(B, T, ...)` written into slots
+    `[start, start + T)`, in place where the backend allows it.
+
+    torch: the same tensor comes back. JAX (eager calls only): the cache
+    passed in is donated and must not be used again. `start` is an int or
+    a scalar tensor whose range the caller checked.
+    """
+    import keras
+
+    if keras.backend.backend() == "torch":
+        import torch
+
+        with torch.no_grad():
+            cache.narrow(1, int(start), new.shape[1]).copy_(new)
+        return cache
+    return _jax_update()(cache, new.astype(cache.dtype), start)
+
+
+def can_write_slots(cache):
+    """Whether `write_slots` serves this cache: torch without gradients,
+    or a concrete (not traced) JAX array."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "torch":
+        return not cache.requires_grad
+    if backend == "jax":
+        import jax
+
+        return not isinstance(cache, jax.core.Tracer)
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def _jax_update():
+    import jax
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def update(cache, new, start):
+        zero = jax.numpy.zeros((), "int32")
+        start = jax.numpy.asarray(start, "int32")
+        return jax.lax.dynamic_update_slice(cache, new, (zero, start, zero, zero))
+
+    return update

@@ -1,0 +1,175 @@
+"""The decode path: attention over the cache itself, reading only what a
+step can see.
+
+A decoding step writes its `T` new tokens into the cache first, then
+attends over the cache. In a full cache slot `j` holds position `j`, and
+no slot at or after `limit = index + T` is visible, so the step reads the
+key blocks below `limit` only, a block at a time with an online softmax:
+`ceil(limit / b)` blocks, a cost that follows the position, not the
+cache's size. In eager calls the limit is known and the blocks are a
+Python loop; when it is traced (`jax.jit`, `tf.function`) they are a
+`keras.ops.while_loop` whose trip count is a tensor, so the step traces
+once. A rolling cache (one token at a time) is one block of its `w` slots.
+
+Shapes: query `(B, T, N, H)`; the cache `(B, L, K, H + V + 1)` (see
+`cache.py`). The numbers are those of `explicit.explicit_attention` with
+the spec's keys at their slots' positions: scale, soft-cap, ALiBi, sinks,
+masks, and weights 0 for a row with nothing to attend to.
+"""
+
+import functools
+
+from keras import ops
+
+import keras_mha.attention.cache as cache_lib
+import keras_mha.attention.explicit as explicit
+import keras_mha.attention.logits as logits
+import keras_mha.attention.masks as masks_lib
+
+# Keys per block. Measured on the 2-core CPU (torch and JAX eager, B = 1,
+# N = 8, H = 64, one token): 1024 kept the step at p = 1k as fast as 256
+# and cut the loop's iterations at p = 64k fourfold.
+BLOCK_SIZE = 1024
+
+
+def decode_attention(query, cache, spec, rolling, block_size=BLOCK_SIZE):
+    """Attention of `query` over `cache` after this step's write.
+
+    Args:
+        query: `(B, T, N, H)`, at positions `spec.query_offset + t`.
+        cache: `(B, L, K, H + V + 1)` holding the step's own tokens (see
+            `cache.py`); each slot's flag says whether a real token was
+            written there.
+        spec: an `AttentionSpec` whose `query_offset` is the step's index;
+            no dense mask, bias, segment ids, dropout or weights.
+        rolling: whether slot = position mod L (then `T = 1`).
+        block_size: keys per block `b` of a full cache.
+
+    Returns:
+        `(B, T, N, V)` in the query's dtype.
+    """
+    out_dtype = query.dtype
+    num_slots = cache.shape[1]
+    block = num_slots if rolling else min(block_size, num_slots)
+    (query,) = explicit.upcast(query)
+    dtype = query.dtype
+    batch, t_len = ops.shape(query)[0], query.shape[1]
+    num_heads, key_dim = query.shape[2], query.shape[3]
+    num_kv = cache.shape[2]
+    value_dim = cache.shape[3] - key_dim - 1
+    groups = num_heads // num_kv
+    q = ops.multiply(query, ops.cast(spec.scale, dtype))
+    q = ops.reshape(q, (batch, t_len, num_kv, groups, key_dim))
+    q = ops.transpose(q, (0, 2, 3, 1, 4))  # (B, K, G, T, H)
+    query_positions = ops.cast(spec.query_offset, "int32") + ops.arange(
+        t_len, dtype="int32"
+    )  # (T,)
+    limit = query_positions[-1] + 1  # no slot at or after it is visible
+    query_mask = spec.query_mask
+    if query_mask is None:
+        query_mask = ops.ones((batch, t_len), "bool")
+    shape = (batch, num_kv, groups, t_len)
+    state = (
+        ops.zeros((), "int32"),  # the block
+        ops.full(shape + (1,), logits.MASKED_LOGIT, dtype),  # running max
+        ops.zeros(shape + (1,), dtype),  # running denominator
+        ops.zeros(shape + (value_dim,), dtype),  # running numerator
+    )
+    constants = (q, cache, limit, query_positions, query_mask)
+    if spec.alibi is not None:
+        slopes = ops.convert_to_tensor(spec.alibi, dtype)
+        constants += (ops.reshape(slopes, (1, num_kv, groups, 1, 1)),)
+    cond, body = _loop(
+        block, num_slots, rolling, key_dim, value_dim, spec.causal,
+        spec.window, spec.soft_cap, spec.alibi is not None,
+    )
+    blocks = 1 if rolling else _concrete_blocks(limit, block)
+    if blocks is None:  # traced: the trip count is a tensor
+        state = ops.while_loop(cond, body, state + constants)
+    else:
+        state = state + constants
+        for _ in range(blocks):
+            state = body(*state)
+    _, top, total, numerator = state[:4]
+    if spec.sinks is not None:
+        sinks = ops.reshape(
+            ops.cast(spec.sinks, dtype), (1, num_kv, groups, 1, 1)
+        )
+        new_top = ops.maximum(top, sinks)
+        rescale = ops.exp(top - new_top)
+        total = total * rescale + ops.exp(sinks - new_top)
+        numerator = numerator * rescale
+    out = ops.divide(numerator, ops.maximum(total, 1e-30))
+    out = ops.where(total > 0, out, ops.zeros_like(out))  # (B, K, G, T, V)
+    out = ops.transpose(out, (0, 3, 1, 2, 4))
+    return ops.cast(
+        ops.reshape(out, (batch, t_len, num_heads, value_dim)), out_dtype
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _loop(block, num_slots, rolling, key_dim, value_dim, causal, window,
+          soft_cap, use_alibi):
+    """`(cond, body)` of the loop over key blocks, one pair per geometry and
+    choice of features: `jax.lax.while_loop` caches its trace on them."""
+
+    def cond(i, top, total, numerator, *constants):
+        limit = constants[2]
+        return i * block < limit
+
+    def body(i, top, total, numerator, *constants):
+        q, cache, limit, query_positions, query_mask = constants[:5]
+        batch = ops.shape(cache)[0]
+        # The last block may overlap the one before it: its keys below
+        # `i·b` were read already and are masked.
+        start = ops.minimum(i * block, num_slots - block)
+        zero = ops.zeros((), "int32")
+        slots = ops.slice(
+            cache, (zero, start, zero, zero),
+            (batch, block, cache.shape[2], cache.shape[3]),
+        )  # (B, b, K, H + V + 1)
+        keys = ops.cast(slots[..., :key_dim], q.dtype)
+        values = ops.cast(slots[..., key_dim : key_dim + value_dim], q.dtype)
+        written = ops.greater(slots[:, :, 0, -1], 0.5)  # (B, b)
+        slot = start + ops.arange(block, dtype="int32")
+        positions = cache_lib.slot_positions(
+            limit, num_slots, rolling, slot
+        )  # (b,); negative: the slot holds no token yet
+        written = ops.logical_and(written, positions[None, :] >= 0)
+        scores = ops.einsum("bkgth,bskh->bkgts", q, keys)
+        scores = logits.soft_cap(scores, soft_cap)
+        distance = query_positions[:, None] - positions[None, :]  # (T, b)
+        if use_alibi:  # slopes (1, K, G, 1, 1)
+            scores = scores + logits.alibi(
+                constants[5], distance[None, None, None], scores.dtype
+            )
+        visible = masks_lib.position_mask(
+            query_positions[:, None], positions[None, :], causal, window
+        )  # (T, b) or None
+        fresh = slot >= i * block
+        mask = fresh[None, None, :] if visible is None else ops.logical_and(
+            visible, fresh[None, :]
+        )[None]  # (1, T|1, b)
+        mask = ops.logical_and(mask, written[:, None, :])  # (B, T|1, b)
+        mask = ops.logical_and(mask, query_mask[:, :, None])  # (B, T, b)
+        mask = mask[:, None, None]  # (B, 1, 1, T, b)
+        scores = ops.where(
+            mask, scores, ops.cast(logits.MASKED_LOGIT, scores.dtype)
+        )
+        new_top = ops.maximum(top, ops.max(scores, axis=-1, keepdims=True))
+        rescale = ops.exp(top - new_top)
+        weights = ops.exp(scores - new_top) * ops.cast(mask, scores.dtype)
+        total = total * rescale + ops.sum(weights, axis=-1, keepdims=True)
+        numerator = numerator * rescale + ops.einsum(
+            "bkgts,bskv->bkgtv", weights, values
+        )
+        return (i + 1, new_top, total, numerator, *constants)
+
+    return cond, body
+
+
+def _concrete_blocks(limit, block):
+    """`ceil(limit / b)` as a Python int when `limit` has a value (eager
+    calls), `None` when it is traced."""
+    value = cache_lib.concrete_int(limit)
+    return None if value is None else max(1, -(-value // block))

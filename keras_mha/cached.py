@@ -1,0 +1,368 @@
+"""`keras_mha.CachedMultiHeadAttention`: keras-hub's cached layer, our paths.
+
+A drop-in for `keras_hub.layers.CachedMultiHeadAttention`: the same call,
+cache layout `(B, 2, S, K, H)` and results, computed by projecting with the
+layer's weights, describing the call as an `AttentionSpec` and handing it to
+`keras_mha.attention.attend`, so every feature of `MultiHeadAttention`
+works here too.
+"""
+
+import numbers
+
+import keras
+from keras import ops
+
+from keras_mha import checks
+from keras_mha import describe as describe_lib
+from keras_mha.attention import attend
+from keras_mha.layer import MultiHeadAttention
+
+
+@keras.saving.register_keras_serializable(package="keras_mha")
+class CachedMultiHeadAttention(MultiHeadAttention):
+    """`MultiHeadAttention` with keras-hub's key/value cache.
+
+    A drop-in for `keras_hub.layers.CachedMultiHeadAttention` (keras-hub
+    0.32): same call, same cache, same results, and
+    `set_weights(keras_hub_layer.get_weights())` works both ways. The
+    constructor, weights and config are those of `MultiHeadAttention`, so
+    grouped heads, `sliding_window`, `rotary_embedding`, `scale`,
+    `attn_logits_soft_cap`, `use_sinks`, `use_alibi` and `use_gate` work
+    with a cache too.
+
+    A call runs in one of three modes:
+
+    - no cache: attention of `query` over `key`/`value`;
+    - `cache` with `cache_update_index=None`: attention over the cache as it
+      is (`key` and `value` are not read), e.g. a cross-attention cache
+      computed once;
+    - `cache` with `cache_update_index=i`: the `L` new keys and values are
+      projected and written at slots `i .. i+L-1`, and the queries attend
+      over the updated cache.
+
+    Positions: key slot `j` holds position `j`; queries sit at `i + t` with
+    an index, at `t` otherwise. The causal mask is the caller's (as in
+    keras-hub, through `attention_mask`); the sliding window, ALiBi and the
+    rotary embedding read these positions. The rotary embedding turns
+    queries at their positions and new keys at `i + l` before they are
+    written, so the cache holds rotated keys.
+
+    Differences from keras-hub's layer, on purpose:
+
+    - with `cache_update_index=i`, slots at or after `i + L` (not written
+      yet) are never attended; keras-hub attends to them (zeros, or stale
+      values) wherever `attention_mask` allows. Its `TransformerDecoder`'s
+      causal mask never allows them, so decoders agree.
+    - a query row with no key to attend to gives a context of 0 (the output
+      is the output bias); keras-hub's gives the mean of the values.
+    - `sliding_window` and `use_gate` apply; keras-hub's `call` ignores
+      both.
+    - as in keras-hub, the Keras masks of the inputs are not read: padding
+      goes into `attention_mask` (its `TransformerDecoder` merges them).
+    - a float `attention_mask` means nonzero = may attend (DESIGN.md);
+      Keras's explicit path keeps values above 0.5.
+    - keras-hub's vLLM paged-attention route (TPU serving) is not provided.
+
+    Args:
+        As for `MultiHeadAttention`. A cache stores keys and values in one
+        tensor, so decoding with a cache needs `value_dim == key_dim`.
+
+    Call arguments:
+        query: `(B, T, E)` (or `(B, ..., E)` with `attention_axes`, without
+            a cache).
+        value: `(B, L, E_v)`: the keys' and values' inputs; with a cache and
+            an index, the `L` new tokens (`L` need not be `T`).
+        key: `(B, L, E_k)`; `value` if `None`.
+        attention_mask: boolean, integer or float, nonzero = may attend,
+            broadcastable to `(B, T, S)`: `(T, S)`, `(B|1, T|1, S)` or
+            `(B|1, N|1, T, S)`. `S` is the keys' length, or the cache's
+            `S` with a cache.
+        cache: `None`, or `(B, 2, S, K, H)` floats: keys at `[:, 0]`, values
+            at `[:, 1]` (see `init_cache`).
+        cache_update_index: `None`, or an int or scalar integer tensor: the
+            slot where the new keys and values are written. Only with a
+            cache.
+        return_attention_scores: also return the attention weights.
+        training: whether dropout is applied.
+
+    Returns:
+        As keras-hub's layer: `output` `(B, T, E)` (or `output_shape`);
+        `(output, scores)` with `return_attention_scores`;
+        `(output, cache)` with a cache; `(output, scores, cache)` with both.
+        Scores are `(B, N, T, S)`; the cache is the updated one (the one
+        given when `cache_update_index=None`).
+    """
+
+    def call(
+        self,
+        query,
+        value,
+        key=None,
+        attention_mask=None,
+        cache=None,
+        cache_update_index=None,
+        return_attention_scores=False,
+        training=None,
+    ):
+        if key is None:
+            key = value
+        _check_call(
+            self, query, value, key, attention_mask, cache,
+            cache_update_index, return_attention_scores,
+        )
+        layout = self._layout
+        gate = self._gate_dense(query) if self._use_gate else None
+        q = layout.to_sequence(self._query_dense(query))  # (B', T, N, H)
+        offset = 0 if cache_update_index is None else cache_update_index
+        if self._rotary_embedding is not None:
+            q = self._rotary_embedding(q, start_index=offset)
+        key_positions = None
+        if cache is None or cache_update_index is not None:
+            k = layout.to_sequence(self._key_dense(key))  # (B', L, K, H)
+            v = layout.to_sequence(self._value_dense(value))  # (B', L, K, V)
+            if self._rotary_embedding is not None:
+                k = self._rotary_embedding(k, start_index=offset)
+        if cache is not None:
+            key_cache = cache[:, 0, ...]  # (B, S, K, H)
+            value_cache = cache[:, 1, ...]  # (B, S, K, H)
+            if cache_update_index is not None:
+                index = ops.cast(cache_update_index, "int32")
+                zero = ops.zeros((), "int32")
+                start = (zero, index, zero, zero)
+                key_cache = ops.slice_update(
+                    key_cache, start, ops.cast(k, cache.dtype)
+                )
+                value_cache = ops.slice_update(
+                    value_cache, start, ops.cast(v, cache.dtype)
+                )
+                cache = ops.stack((key_cache, value_cache), axis=1)
+                key_positions = _written_positions(
+                    ops.shape(key_cache)[1], index, ops.shape(k)[1]
+                )
+            k = ops.cast(key_cache, q.dtype)  # (B, S, K, H)
+            v = ops.cast(value_cache, q.dtype)  # (B, S, K, V)
+
+        spec = describe_lib.describe(
+            self,
+            None,
+            None,
+            layout.attention_mask(attention_mask, query, key, self._num_heads),
+            False,
+            training,
+            return_attention_scores,
+        )
+        if key_positions is not None:
+            spec = spec.replace(
+                query_offset=cache_update_index, key_positions=key_positions
+            )
+        context, scores = attend(q, k, v, spec)  # (B', T, N, V)
+
+        context = layout.from_sequence(context, query)  # (B, ..., N, V)
+        if gate is not None:
+            context = ops.multiply(context, gate)
+        output = self._output_dense(context)
+        results = [output]
+        if return_attention_scores:
+            if cache is None:
+                scores = layout.scores_from_sequence(scores, query, key)
+            results.append(ops.cast(scores, self.compute_dtype))
+        if cache is not None:
+            results.append(cache)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def compute_output_spec(
+        self,
+        query,
+        value,
+        key=None,
+        attention_mask=None,
+        cache=None,
+        cache_update_index=None,
+        return_attention_scores=False,
+        training=None,
+    ):
+        key = value if key is None else key
+        _check_call(
+            self, query, value, key, attention_mask, cache,
+            cache_update_index, return_attention_scores,
+        )
+        query_shape, key_shape = tuple(query.shape), tuple(key.shape)
+        specs = [
+            keras.KerasTensor(
+                self.compute_output_shape(query_shape, tuple(value.shape),
+                                          key_shape),
+                dtype=self.compute_dtype,
+            )
+        ]
+        if return_attention_scores:
+            if cache is None:
+                layout = checks.input_shapes(
+                    query_shape, tuple(value.shape), key_shape,
+                    self._attention_axes,
+                )
+                shape = layout.scores_shape(
+                    query_shape, key_shape, self._num_heads
+                )
+            else:
+                shape = (query_shape[0], self._num_heads, query_shape[1],
+                         cache.shape[2])
+            specs.append(keras.KerasTensor(shape, dtype=self.compute_dtype))
+        if cache is not None:
+            specs.append(keras.KerasTensor(cache.shape, dtype=cache.dtype))
+        return specs[0] if len(specs) == 1 else tuple(specs)
+
+    # ------------------------------------------------------------------ cache
+
+    @property
+    def rolling_cache(self):
+        """Always `False`: keras-hub's cache has a slot per position."""
+        return False
+
+    def init_cache(self, batch_size, max_length):
+        """A zero cache for decoding up to `max_length` tokens.
+
+        Args:
+            batch_size: `B`.
+            max_length: `S`, the number of slots.
+
+        Returns:
+            A `(B, 2, S, K, H)` tensor of zeros in the compute dtype, the
+            layout of keras-hub's cache.
+        """
+        checks.positive_int("batch_size", batch_size)
+        checks.positive_int("max_length", max_length)
+        _check_cache_heads(self)
+        shape = (batch_size, 2, max_length, self._num_key_value_heads,
+                 self._key_dim)
+        return ops.zeros(shape, dtype=self.compute_dtype)
+
+
+def _written_positions(num_slots, index, length):
+    """`(S,)` int32: slot `j` holds position `j` once written (`j < index +
+    length`), and -1 (never visible) after that."""
+    slots = ops.arange(num_slots, dtype="int32")
+    return ops.where(slots < index + length, slots, -1)
+
+
+def _check_cache_heads(layer):
+    if layer._value_dim != layer._key_dim:
+        raise ValueError(
+            "A cache `(B, 2, S, K, H)` holds keys and values in one tensor: "
+            "it needs `value_dim == key_dim`. Received: "
+            f"key_dim={layer._key_dim}, value_dim={layer._value_dim}"
+        )
+
+
+def _check_call(
+    layer, query, value, key, attention_mask, cache, cache_update_index,
+    return_attention_scores,
+):
+    """Checks a call from shapes and dtypes alone (eager and symbolic)."""
+    shapes = {
+        "query": tuple(query.shape),
+        "value": tuple(value.shape),
+        "key": tuple(key.shape),
+    }
+    layout = checks.input_shapes(
+        shapes["query"], shapes["value"], shapes["key"],
+        layer._attention_axes,
+    )
+    if layer.built:  # inputs must fit the weights
+        for name, shape in shapes.items():
+            features = layer._feature_sizes[name]
+            if len(shape) != layer._layout.rank or shape[-1] not in (
+                None,
+                features,
+            ):
+                raise ValueError(
+                    f"`{name}` must have rank {layer._layout.rank} and "
+                    f"{features} features, as when the layer was built. "
+                    f"Received: {name}.shape={shape}"
+                )
+    if return_attention_scores and layer._flash_attention:
+        raise ValueError(
+            "Returning attention scores is not supported when flash "
+            "attention is enabled. Please disable flash attention to "
+            "access attention scores. Received: flash_attention=True, "
+            "return_attention_scores=True"
+        )
+    key_shape = shapes["key"]
+    if cache is None:
+        if cache_update_index is not None:
+            raise ValueError(
+                "`cache_update_index` should not be set if `cache` is "
+                "`None`. Received: cache=None, "
+                f"cache_update_index={cache_update_index!r}"
+            )
+    else:
+        _check_cache(layer, layout, shapes, cache)
+        if cache_update_index is not None:
+            _check_index(cache_update_index, key_shape[1], cache.shape[2])
+        key_shape = (shapes["query"][0], cache.shape[2], key_shape[-1])
+    if attention_mask is not None:
+        checks.mask_argument(
+            "attention_mask",
+            attention_mask,
+            layout.attention_mask_targets(
+                shapes["query"], key_shape, layer._num_heads
+            ),
+        )
+
+
+def _check_cache(layer, layout, shapes, cache):
+    if not layout.identity:
+        raise ValueError(
+            "A cache needs inputs of rank 3 (batch, sequence, features). "
+            f"Received: query.shape={shapes['query']}"
+        )
+    if not hasattr(cache, "shape") or not hasattr(cache, "dtype"):
+        raise TypeError(
+            "`cache` must be a tensor (see `init_cache`). Received: "
+            f"cache of type {type(cache).__name__}"
+        )
+    dtype = keras.backend.standardize_dtype(cache.dtype)
+    if "float" not in dtype:
+        raise TypeError(
+            "`cache` must be a floating-point tensor (see `init_cache`). "
+            f"Received: cache.dtype={dtype}"
+        )
+    _check_cache_heads(layer)
+    expected = (
+        shapes["query"][0], 2, None, layer._num_key_value_heads,
+        layer._key_dim,
+    )
+    shape = tuple(cache.shape)
+    if len(shape) != 5 or not checks.dims_agree(shape, expected):
+        raise ValueError(
+            "`cache` must have shape (B, 2, S, K, H) = "
+            f"{expected} (keys at [:, 0], values at [:, 1]; see "
+            f"`init_cache`). Received: cache.shape={shape}"
+        )
+
+
+def _check_index(index, length, num_slots):
+    """`cache_update_index`: a Python int or a scalar integer tensor; a
+    Python int must leave room for the `length` new tokens."""
+    if isinstance(index, bool) or not (
+        isinstance(index, numbers.Integral)
+        or (
+            hasattr(index, "shape")
+            and len(index.shape) == 0
+            and "int" in keras.backend.standardize_dtype(index.dtype)
+        )
+    ):
+        raise ValueError(
+            "`cache_update_index` must be an integer or a scalar integer "
+            f"tensor. Received: cache_update_index={index!r}"
+        )
+    if (
+        isinstance(index, numbers.Integral)
+        and num_slots is not None
+        and length is not None
+        and not 0 <= index <= num_slots - length
+    ):
+        raise ValueError(
+            "`cache_update_index` is out of range: slots "
+            f"{index}..{index + length - 1} do not fit a cache of "
+            f"{num_slots} slots. Received: cache_update_index={index}"
+        )
