@@ -3,8 +3,9 @@
 A drop-in for `keras_hub.layers.CachedMultiHeadAttention`: the same call,
 cache layout `(B, 2, S, K, H)` and results, computed by projecting with the
 layer's weights, describing the call as an `AttentionSpec` and handing it to
-`keras_mha.attention.attend`, so every feature of `MultiHeadAttention`
-works here too.
+`keras_mha.attention` (`attend`, or `decode.decode_attention` for a step
+that writes the cache), so every feature of `MultiHeadAttention` works here
+too.
 """
 
 import numbers
@@ -15,6 +16,8 @@ from keras import ops
 from keras_mha import checks
 from keras_mha import describe as describe_lib
 from keras_mha.attention import attend
+from keras_mha.attention import cache as cache_lib
+from keras_mha.attention import decode
 from keras_mha.layer import MultiHeadAttention
 
 
@@ -37,8 +40,11 @@ class CachedMultiHeadAttention(MultiHeadAttention):
       is (`key` and `value` are not read), e.g. a cross-attention cache
       computed once;
     - `cache` with `cache_update_index=i`: the `L` new keys and values are
-      projected and written at slots `i .. i+L-1`, and the queries attend
-      over the updated cache.
+      projected and written at slots `i .. i+L-1` (in place on torch and in
+      eager JAX, as `MultiHeadAttention.init_cache` says), and the queries
+      attend over the updated cache, reading only the slots below `i + L`,
+      a block at a time: a step's cost follows its position, not `S`
+      (returned scores and dropout read every slot on the explicit path).
 
     Positions: key slot `j` holds position `j`; queries sit at `i + t` with
     an index, at `t` otherwise. The causal mask is the caller's (as in
@@ -116,32 +122,17 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         offset = 0 if cache_update_index is None else cache_update_index
         if self._rotary_embedding is not None:
             q = self._rotary_embedding(q, start_index=offset)
-        key_positions = None
         if cache is None or cache_update_index is not None:
             k = layout.to_sequence(self._key_dense(key))  # (B', L, K, H)
             v = layout.to_sequence(self._value_dense(value))  # (B', L, K, V)
             if self._rotary_embedding is not None:
                 k = self._rotary_embedding(k, start_index=offset)
-        if cache is not None:
-            key_cache = cache[:, 0, ...]  # (B, S, K, H)
-            value_cache = cache[:, 1, ...]  # (B, S, K, H)
-            if cache_update_index is not None:
-                index = ops.cast(cache_update_index, "int32")
-                zero = ops.zeros((), "int32")
-                start = (zero, index, zero, zero)
-                key_cache = ops.slice_update(
-                    key_cache, start, ops.cast(k, cache.dtype)
-                )
-                value_cache = ops.slice_update(
-                    value_cache, start, ops.cast(v, cache.dtype)
-                )
-                cache = ops.stack((key_cache, value_cache), axis=1)
-                key_positions = _written_positions(
-                    ops.shape(key_cache)[1], index, ops.shape(k)[1]
-                )
-            k = ops.cast(key_cache, q.dtype)  # (B, S, K, H)
-            v = ops.cast(value_cache, q.dtype)  # (B, S, K, V)
-
+        limit = None
+        if cache is not None and cache_update_index is not None:
+            # Written in place where the backend allows (see
+            # `attention.cache`); slots after the new ones are never read.
+            cache = cache_lib.write_pair(cache, k, v, cache_update_index)
+            limit = ops.cast(cache_update_index, "int32") + ops.shape(k)[1]
         spec = describe_lib.describe(
             self,
             None,
@@ -151,11 +142,23 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             training,
             return_attention_scores,
         )
-        if key_positions is not None:
-            spec = spec.replace(
-                query_offset=cache_update_index, key_positions=key_positions
+        if limit is not None and not (return_attention_scores or spec.dropout):
+            # The position-following step: reads the slots below `limit`.
+            context = decode.decode_attention(
+                q, cache, spec.replace(query_offset=cache_update_index),
+                rolling=False, layout=decode.PAIR, limit=limit,
             )
-        context, scores = attend(q, k, v, spec)  # (B', T, N, V)
+            scores = None
+        else:
+            if cache is not None:
+                k = ops.cast(cache[:, 0], q.dtype)  # (B, S, K, H)
+                v = ops.cast(cache[:, 1], q.dtype)  # (B, S, K, V)
+            if limit is not None:
+                spec = spec.replace(
+                    query_offset=cache_update_index,
+                    key_positions=_written_positions(ops.shape(k)[1], limit),
+                )
+            context, scores = attend(q, k, v, spec)  # (B', T, N, V)
 
         context = layout.from_sequence(context, query)  # (B, ..., N, V)
         if gate is not None:
@@ -237,11 +240,11 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         return ops.zeros(shape, dtype=self.compute_dtype)
 
 
-def _written_positions(num_slots, index, length):
-    """`(S,)` int32: slot `j` holds position `j` once written (`j < index +
-    length`), and -1 (never visible) after that."""
+def _written_positions(num_slots, limit):
+    """`(S,)` int32: slot `j` holds position `j` once written (`j <
+    limit`), and -1 (never visible) after that."""
     slots = ops.arange(num_slots, dtype="int32")
-    return ops.where(slots < index + length, slots, -1)
+    return ops.where(slots < limit, slots, -1)
 
 
 def _check_cache_heads(layer):

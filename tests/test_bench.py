@@ -1,10 +1,10 @@
 """`keras-mha bench`: the quick matrix end to end, and the parts around it.
 
-The end-to-end tests run `python -m keras_mha bench --quick --no-features`
-and `--quick --features` on the backend the suite runs on (a worker process
-per backend, so it takes a while: it compiles every implementation twice).
-NumPy is not benchmarked (no compiler, no autodiff): there the command must
-say so in one line.
+The end-to-end tests run `python -m keras_mha bench --quick --no-features
+--no-decode`, `--quick --features` and `--quick --decode` on the backend
+the suite runs on (a worker process per backend, so it takes a while: it
+compiles every implementation twice). NumPy is not benchmarked (no
+compiler, no autodiff): there the command must say so in one line.
 """
 
 import itertools
@@ -43,8 +43,8 @@ def run_bench(*args, cwd):
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
-    result = run_bench("--quick", "--no-features", "--backends", BACKEND,
-                       "--out", "out", cwd=folder)
+    result = run_bench("--quick", "--no-features", "--no-decode",
+                       "--backends", BACKEND, "--out", "out", cwd=folder)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(folder / "out" / "bench.json", encoding="utf-8") as file:
         document = json.load(file)
@@ -98,23 +98,12 @@ def test_quick_reports_every_cell(quick_run):
 
 
 @pytest.mark.training
-def test_quick_reports_decode_and_matmul(quick_run):
+def test_quick_reports_matmul_and_no_other_section(quick_run):
     _, document, _ = quick_run
-    spec = plan.load_config(None, "quick")["decode"]
-    entries = {(d["cache"], d["position"]): d for d in document["decode"]}
-    assert set(entries) == set(itertools.product(["rolling", "full"],
-                                                 spec["positions"]))
-    for key, entry in entries.items():
-        assert entry["status"] == plan.OK, (key, entry)
-        assert entry["ms_per_token"] > 0
-    rolling = entries["rolling", spec["positions"][0]]
-    full = entries["full", spec["positions"][0]]
-    assert rolling["slots"] == spec["window"]
-    assert full["slots"] == spec["full_length"]
-    assert rolling["cache_bytes"] < full["cache_bytes"]
     assert document["matmul"][BACKEND]["status"] == plan.OK
     assert document["matmul"][BACKEND]["gflops"] > 0
     assert document["features"] == []  # --no-features
+    assert document["decode"] is None  # --no-decode
 
 
 @pytest.mark.training
@@ -185,7 +174,7 @@ def test_features_run_reports_every_feature_with_ratios(features_run):
                                                  "baseline"}
     # The feature cells only: no matmul, attention cells, decode or plot.
     assert document["what"] == "keras-mha bench --features"
-    assert document["cells"] == [] and document["decode"] == []
+    assert document["cells"] == [] and document["decode"] is None
     assert [t["id"] for t in document["targets"]] == ["feature_ratios"]
     assert not (out / "bench.png").exists()
     markdown = (out / "report-features.md").read_text(encoding="utf-8")
@@ -195,7 +184,146 @@ def test_features_run_reports_every_feature_with_ratios(features_run):
     assert "Traceback" not in result.stderr
 
 
+@pytest.fixture(scope="module")
+def decode_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench-decode")
+    result = run_bench("--quick", "--decode", "--backends", BACKEND,
+                       "--out", "out", cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(folder / "out" / "bench-decode.json",
+              encoding="utf-8") as file:
+        document = json.load(file)
+    return result, document, folder / "out"
+
+
+@pytest.mark.training
+def test_decode_run_reports_every_step_with_its_ratios(decode_run):
+    _, document, _ = decode_run
+    spec = plan.load_config(None, "quick")["decode"]
+    units = plan.units_for(BACKEND, plan.load_config(None, "quick"),
+                           only="decode")
+    steps = {(r["impl"], r["cache"], r["slots"], r["position"]): r
+             for r in document["decode"]["steps"]}
+    expected = {(u.get("impl", "read"), u["cache"], u["slots"],
+                 u["position"]) for u in units
+                if u["kind"] in ("decode", "floor")}
+    assert set(steps) == expected
+    modes = plan.decode_modes(BACKEND)
+    first, last = spec["positions"][0], spec["positions"][-1]
+    full, short = spec["full_length"], spec["short_length"]
+    for key, row in steps.items():
+        row_modes = ([plan.fast_mode(BACKEND)] if row["impl"] == "read"
+                     else modes)
+        assert [m for m in plan.DECODE_MODES if m in row] == row_modes, key
+        for mode in row_modes:  # tiny sizes, keras-hub installed: all run
+            outcome = row[mode]
+            assert outcome["status"] == plan.OK, (key, mode, outcome)
+            assert outcome["ms_per_token"] == pytest.approx(
+                outcome["time_s"] * 1e3)
+    assert steps["read", "full", full, last]["reads"] == last + 1
+    assert steps["read", "rolling", spec["window"], None]["reads"] == (
+        spec["window"])
+    # Our cache and keras-hub's hold the same keys and values; ours adds a
+    # flag per slot and head (H + V + 1 floats against 2 * H).
+    ours = steps["ours", "full", full, first][modes[0]]
+    theirs = steps["keras_hub", "full", full, first][modes[0]]
+    head = plan.load_config(None, "quick")["key_dim"]
+    assert ours["cache_bytes"] * 2 * head == theirs["cache_bytes"] * (
+        2 * head + 1)
+    rolling = steps["ours", "rolling", spec["window"], first][modes[0]]
+    assert rolling["cache_bytes"] * full == ours["cache_bytes"] * (
+        spec["window"])
+    for mode in modes:
+        step = steps["ours", "full", full, first][mode]
+        assert step["keras_hub_over_this"] == pytest.approx(
+            steps["keras_hub", "full", full, first][mode]["time_s"]
+            / step["time_s"])
+        assert step["over_short_cache"] == pytest.approx(
+            step["time_s"] / steps["ours", "full", short, first][mode][
+                "time_s"])
+        assert "over_first_position" in (
+            steps["ours", "rolling", spec["window"], last][mode])
+    fast = plan.fast_mode(BACKEND)
+    step = steps["ours", "full", full, last][fast]
+    fixed = steps["ours", "full", full, plan.FIXED_POSITION][fast]
+    floor = steps["read", "full", full, last][fast]
+    assert step["over_floor_after_fixed"] == pytest.approx(
+        (step["time_s"] - fixed["time_s"]) / floor["time_s"])
+    assert "over_floor_after_fixed" in (
+        steps["ours", "rolling", spec["window"], last][fast])
+
+
+@pytest.mark.training
+def test_decode_run_reports_generate_prefill_and_targets(decode_run):
+    result, document, out = decode_run
+    spec = plan.load_config(None, "quick")["decode"]
+    generate = {r["impl"]: r for r in document["decode"]["generate"]}
+    assert set(generate) == set(plan.DECODE_IMPLS)
+    tokens = spec["generate"]["max_length"] - spec["generate"][
+        "prompt_length"]
+    for row in generate.values():
+        assert row["status"] == plan.OK, row
+        assert row["tokens"] == tokens and len(row["generated"]) == tokens
+        assert row["tokens_per_s"] == pytest.approx(tokens / row["time_s"])
+    # The same weights and greedy sampling: the same tokens.
+    assert generate["ours"]["same_tokens"], generate
+    assert generate["ours"]["over_keras_hub"] == pytest.approx(
+        generate["ours"]["tokens_per_s"]
+        / generate["keras_hub"]["tokens_per_s"])
+    prefill = {(r["cache"], r["w"]): r for r in document["decode"]["prefill"]}
+    window = spec["prefill"]["window"]
+    assert set(prefill) == {("none", window), ("rolling", window),
+                            ("none", None), ("full", None)}
+    for (cache, w), row in prefill.items():
+        assert row["T"] == spec["prefill"]["length"]
+        for mode in plan.decode_modes(BACKEND):
+            outcome = row[mode]
+            assert outcome["status"] == plan.OK, (cache, w, mode, outcome)
+            if cache == "none":
+                assert outcome["path"] in dispatch.PATHS
+            else:
+                assert outcome["over_no_cache"] == pytest.approx(
+                    outcome["time_s"] / prefill["none", w][mode]["time_s"])
+    # The decode cells only: no matmul, attention cells, features or plot.
+    assert document["what"] == "keras-mha bench --decode"
+    assert document["cells"] == [] and document["features"] == []
+    assert document["matmul"] == {}
+    assert [t["id"] for t in document["targets"]] == [
+        "decode_cache_size", "decode_vs_keras_hub", "decode_floor",
+        "rolling_decode", "generate_speed", "prefill_ratio"]
+    assert {t["status"] for t in document["targets"]} <= {"met", "not met"}
+    assert not (out / "bench.png").exists()
+    markdown = (out / "report-decode.md").read_text(encoding="utf-8")
+    for text in (result.stdout, markdown):
+        assert f"decode, {BACKEND}" in text
+        assert "read (floor)" in text and "keras-hub" in text
+        assert "GPT-2 generate" in text and "x no cache" in text
+        for target in document["targets"]:
+            assert target["target"] in text
+    assert "Traceback" not in result.stderr
+
+
 # ------------------------------------------------------------ report.md
+
+
+def _made_up(unit):
+    """A made-up `ok` result of `unit`."""
+    if unit["kind"] == "matmul":
+        return {"gflops": 50.0}
+    if unit["kind"] == "floor":
+        return {"time_s": 1e-4, "read_bytes": 2**20, "gb_per_s": 10.0}
+    if unit["kind"] == "decode":
+        return {"time_s": 2e-3, "ms_per_token": 2.0, "cache_bytes": 2**20}
+    if unit["kind"] == "generate":
+        return {"time_s": 0.1, "tokens": 24, "tokens_per_s": 240.0,
+                "generated": [1] * 24}
+    if unit["kind"] == "prefill":
+        return {"time_s": 0.25, "peak_bytes": 2**20}
+    if unit["kind"] == "feature":  # every feature 1.2x plain
+        time_s = 0.25 if unit["feature"] == "plain" else 0.3
+        return {"time_s": time_s, "peak_bytes": 2**20,
+                "path": dispatch.BANDED}
+    return {"time_s": 0.25, "peak_bytes": 2**20}
 
 
 def _finished_run(backend="jax"):
@@ -203,23 +331,13 @@ def _finished_run(backend="jax"):
     unit was skipped."""
     config = plan.load_config(None, "quick")
     units = {backend: plan.units_for(backend, config)}
-    results = {}
-    for unit in units[backend]:
-        if unit["kind"] == "matmul":
-            result = {"gflops": 50.0}
-        elif unit["kind"] == "decode":
-            result = {"ms_per_token": 1.5, "cache_bytes": 2**20}
-        elif unit["kind"] == "feature":  # every feature 1.2x plain
-            time_s = 0.25 if unit["feature"] == "plain" else 0.3
-            result = {"time_s": time_s, "peak_bytes": 2**20,
-                      "path": dispatch.BANDED}
-        else:
-            result = {"time_s": 0.25, "peak_bytes": 2**20}
-        results[unit["id"]] = {"status": plan.OK, **result}
+    results = {unit["id"]: {"status": plan.OK, **_made_up(unit)}
+               for unit in units[backend]}
     skipped = next(u for u in units[backend] if u.get("impl") == "keras")
     results[skipped["id"]] = {"status": plan.SKIPPED,
                               "reason": "over time cap (est. 99 s > 60 s)"}
-    cells, decode, matmul = report.build_cells(config, units, results)
+    cells, matmul = report.build_cells(config, units, results)
+    decode = report.build_decode(config, units, results)
     features = report.build_features(units, results)
     return {
         "what": "keras-mha bench", "config": config, "backends": [backend],
@@ -228,7 +346,7 @@ def _finished_run(backend="jax"):
         "backend_info": {backend: {"version": "0.0", "keras": "3.15.1"}},
         "matmul": matmul, "cells": cells, "decode": decode,
         "features": features,
-        "targets": report.targets(cells, [backend], features),
+        "targets": report.targets(cells, [backend], features, decode),
         "seconds": 12.0,
     }
 
@@ -242,8 +360,15 @@ def test_report_md_has_every_row_of_the_terminal_report(tmp_path):
     assert "`bench.json`" in text and "jax 0.0, keras 3.15.1" in text
     assert text.count("```") == 2  # one text block
     lines = text.splitlines()
+    decode = document["decode"]
     rows = [line for line in lines if line.startswith("│ jax")]
-    assert len(rows) == len(document["cells"]) + len(document["decode"])
+    prefill = sum(mode in row for row in decode["prefill"]
+                  for mode in plan.DECODE_MODES)
+    assert len(rows) == (len(document["cells"]) + len(decode["generate"])
+                         + prefill)
+    steps = [line for line in lines
+             if line.startswith(("│ full ", "│ rolling "))]
+    assert len(steps) == len(decode["steps"])
     labels = [line.split("│")[1].strip() for line in lines
               if line.startswith("│ ") and "banded" in line]
     assert labels == [plan.FEATURE_LABELS[f] for f in plan.FEATURES]
@@ -326,6 +451,10 @@ def test_runner_kills_hung_workers_and_abandons_compilers(
         (["--features", "--long"], "--features and --long exclude"),
         (["--features", "--no-features"], "--features and --no-features"),
         (["--features", "--lengths", "1024"], "not --lengths"),
+        (["--decode", "--features"], "--features and --decode exclude"),
+        (["--decode", "--long"], "--decode and --long exclude"),
+        (["--decode", "--no-decode"], "--decode and --no-decode exclude"),
+        (["--decode", "--windows", "128"], "decode section, not --windows"),
         (["--repeats", "0"], "must be positive"),
         (["--config", "no-such-file.json"], "cannot read config"),
     ],
@@ -345,9 +474,19 @@ def test_errors_are_one_line(args, message, capsys, tmp_path, monkeypatch):
         ({"lenghts": [1024]}, [], "unknown field(s) lenghts"),
         ({"lengths": [1024]}, ["--quick"], "no 'quick' object for --quick"),
         ({"lengths": []}, [], "lengths must be a list of positive integers"),
-        ({"decode": {"window": 8, "positions": [9], "full_length": 9,
-                     "repeats": 1}}, [], "every position must be < "
-         "full_length"),
+        ({"decode": {"positions": [9], "full_length": 9, "short_length": 4}},
+         [], "every position must be < full_length"),
+        ({"decode": {"positions": [64], "short_length": 64}}, [],
+         "the first position must be < short_length"),
+        ({"decode": {"short_length": 65536}}, [],
+         "short_length must be < full_length"),
+        ({"decode": {"generate": {"prompt_length": 128}}}, [],
+         "prompt_length < max_length <= 256"),
+        ({"decode": {"prefill": {"window": None}}}, [],
+         "prefill must be an object of positive integers"),
+        ({"decode": {"colour": 1}}, [], "decode must be null or an object "
+         "with"),
+        ({"decode": None}, ["--decode"], "decode section is null"),
         ({"features": {"features": ["rope"]}}, [], "must include plain"),
         ({"features": {"features": ["plain", "gqa"]}}, [],
          "features must be a list drawn from plain, rope"),
@@ -395,13 +534,13 @@ def test_plan_has_a_unit_per_feature_and_mode():
     assert {(u["T"], u["w"], u["causal"], u["impl"]) for u in features} == {
         (16384, 128, True, "ours")}
     assert len({u["id"] for u in units}) == len(units)
-    only = plan.units_for("torch", config, only_features=True)
+    only = plan.units_for("torch", config, only="features")
     assert only == features
     quick = plan.load_config(None, "quick")["features"]
     assert (quick["length"], quick["window"]) == (512, 64)
     assert quick["features"] == list(plan.FEATURES)
     assert plan.units_for("torch", {**config, "features": None},
-                          only_features=True) == []
+                          only="features") == []
 
 
 def test_feature_arguments_turn_one_feature_on():
@@ -428,7 +567,7 @@ def _feature_results(times):
     (feature, mode) to seconds or to a status."""
     config = plan.load_config(None, overrides={"features": {
         "features": ["plain", "rope", "alibi"]}})
-    units = {"jax": plan.units_for("jax", config, only_features=True)}
+    units = {"jax": plan.units_for("jax", config, only="features")}
     results = {}
     for unit in units["jax"]:
         outcome = times.get((unit["feature"], unit["mode"]))
@@ -480,6 +619,196 @@ def test_feature_target_counts_failures_not_skips():
     assert target["status"] == "not met"
     assert "ALiBi fwd+bwd: error" in target["detail"]
     assert report.targets([], ["jax"], skipped)[0]["status"] == "met"
+
+
+# ------------------------------------------------------------ decode cells
+
+
+def test_plan_has_the_decode_cells():
+    config = plan.load_config(None)
+    spec = config["decode"]
+    assert (spec["full_length"], spec["short_length"], spec["window"],
+            spec["positions"]) == (65536, 2048, 512, [1024, 16384, 65535])
+    units = plan.units_for("jax", config)
+    decode = [u for u in units if u["kind"] in (
+        "floor", "decode", "generate", "prefill")]
+    assert units[-len(decode):] == decode  # the section comes last
+    assert plan.units_for("jax", config, only="decode") == decode
+    assert len({u["id"] for u in units}) == len(units)
+    # Floors first, in the fast mode: p + 1 slots of the full cache, the
+    # rolling cache's w.
+    floors = [(u["cache"], u["slots"], u["position"], u["reads"], u["mode"])
+              for u in decode if u["kind"] == "floor"]
+    assert floors == [("full", 65536, 1024, 1025, "compiled"),
+                      ("full", 65536, 16384, 16385, "compiled"),
+                      ("full", 65536, 65535, 65536, "compiled"),
+                      ("rolling", 512, None, 512, "compiled")]
+    assert [u["kind"] for u in decode[:4]] == ["floor"] * 4
+    steps = [(u["impl"], u["cache"], u["slots"], u["mode"], u["position"])
+             for u in decode if u["kind"] == "decode"]
+    ours = [1, 1024, 16384, 65535]
+    expected = (
+        [("ours", "full", 65536, m, p) for m in plan.DECODE_MODES
+         for p in ours]
+        + [("ours", "full", 2048, m, 1024) for m in plan.DECODE_MODES]
+        + [("ours", "rolling", 512, m, p) for m in plan.DECODE_MODES
+           for p in ours]
+        + [("keras_hub", "full", 65536, m, p) for m in plan.DECODE_MODES
+           for p in ours[1:]]
+        + [("keras_hub", "full", 2048, m, 1024) for m in plan.DECODE_MODES])
+    assert steps == expected
+    # Every position fits its full cache: index + 1 <= L.
+    assert all(p + 1 <= slots for _, cache, slots, _, p in steps
+               if cache == "full")
+    generate = [u for u in decode if u["kind"] == "generate"]
+    assert [(u["impl"], u["prompt_length"], u["max_length"])
+            for u in generate] == [("ours", 8, 128), ("keras_hub", 8, 128)]
+    prefill = [(u["cache"], u["T"], u["w"], u["mode"]) for u in decode
+               if u["kind"] == "prefill"]
+    assert prefill == [
+        (cache, 8192, w, m) for w, name in ((128, "rolling"), (None, "full"))
+        for m in plan.DECODE_MODES for cache in ("none", name)]
+    # torch: eager only, its floors too.
+    torch = plan.units_for("torch", config, only="decode")
+    assert {u["mode"] for u in torch if "mode" in u} == {"eager"}
+    assert plan.fast_mode("torch") == "eager"
+    assert plan.fast_mode("tensorflow") == "compiled"
+    assert plan.units_for("jax", {**config, "decode": None},
+                          only="decode") == []
+    quick = plan.load_config(None, "quick")["decode"]
+    assert (quick["full_length"], quick["positions"],
+            quick["prefill"]["length"]) == (1024, [64, 512], 256)
+    # The profile changes the nested sections field by field.
+    assert quick["generate"] == {"prompt_length": 8, "max_length": 32,
+                                 "repeats": 1}
+
+
+def test_decode_helpers():
+    assert worker.causal_cache_mask(2, 4, 1).tolist() == [
+        [[True, True, False, False]]] * 2
+    inputs = worker.generate_inputs(1, 3, 6, 50)
+    assert inputs["token_ids"].tolist() == [[1, 2, 3, 0, 0, 0]]
+    assert inputs["token_ids"].dtype == "int32"
+    assert inputs["padding_mask"].tolist() == [[True] * 3 + [False] * 3]
+
+
+def _decode_document(backend, times):
+    """`build_decode` of the default decode section on `backend` with
+    made-up results: `times` maps (impl, cache, slots, position, mode) or
+    (kind, ...) to seconds or to a status, else 2 ms a step."""
+    config = plan.load_config(None)
+    units = {backend: plan.units_for(backend, config, only="decode")}
+    results = {}
+    for unit in units[backend]:
+        key = ((unit["impl"], unit["cache"], unit["slots"], unit["position"],
+                unit["mode"]) if unit["kind"] == "decode"
+               else ("read", unit["cache"], unit["position"])
+               if unit["kind"] == "floor"
+               else ("generate", unit["impl"]) if unit["kind"] == "generate"
+               else ("prefill", unit["cache"], unit["mode"]))
+        outcome = times.get(key)
+        if isinstance(outcome, str):
+            results[unit["id"]] = {"status": outcome, "reason": "because"}
+            continue
+        result = {"status": plan.OK, **_made_up(unit)}
+        if outcome is not None:
+            result["time_s"] = outcome
+        if unit["kind"] == "generate":
+            result["tokens_per_s"] = result["tokens"] / result["time_s"]
+        results[unit["id"]] = result
+    return report.build_decode(config, units, results)
+
+
+def test_decode_ratios_and_their_targets():
+    full = 65536
+    decode = _decode_document("jax", {
+        ("ours", "full", full, 1024, "eager"): 3e-3,
+        ("ours", "full", 2048, 1024, "eager"): 2.5e-3,  # 1.2x
+        ("keras_hub", "full", full, 1024, "eager"): 60e-3,  # 20x
+        ("ours", "full", full, 1, "compiled"): 1e-3,
+        ("read", "full", 65535): 2e-3,
+        ("ours", "full", full, 65535, "compiled"): 8e-3,  # 1 + 3.5 x 2
+        ("ours", "rolling", 512, 1, "compiled"): 1e-3,
+        ("read", "rolling", None): 1e-3,
+        ("ours", "rolling", 512, 65535, "compiled"): 2.5e-3,  # 1.25x p=1024
+        ("generate", "ours"): 0.08,  # 300 against 240 tokens/s
+        ("prefill", "full", "compiled"): 0.4,  # 1.6x
+    })
+    steps = {(r["impl"], r["cache"], r["slots"], r["position"]): r
+             for r in decode["steps"]}
+    step = steps["ours", "full", full, 1024]["eager"]
+    assert step["keras_hub_over_this"] == pytest.approx(20.0)
+    assert step["over_short_cache"] == pytest.approx(1.2)
+    assert "over_floor_after_fixed" not in step  # no eager floor on jax
+    last = steps["ours", "full", full, 65535]["compiled"]
+    assert last["over_floor_after_fixed"] == pytest.approx(3.5)
+    assert (last["floor_s"], last["fixed_s"]) == (2e-3, 1e-3)
+    rolling = steps["ours", "rolling", 512, 65535]["compiled"]
+    assert rolling["over_first_position"] == pytest.approx(1.25)
+    assert rolling["over_floor_after_fixed"] == pytest.approx(1.5)
+    assert "keras_hub_over_this" not in steps[
+        "keras_hub", "full", full, 1024]["eager"]
+    generate = {r["impl"]: r for r in decode["generate"]}
+    assert generate["ours"]["over_keras_hub"] == pytest.approx(1.25)
+    assert generate["ours"]["same_tokens"]
+    prefill = {(r["cache"], r["w"]): r for r in decode["prefill"]}
+    assert prefill["full", None]["compiled"]["over_no_cache"] == (
+        pytest.approx(1.6))
+    assert prefill["rolling", 128]["eager"]["over_no_cache"] == (
+        pytest.approx(1.0))
+
+    found = {t["id"]: t for t in report.targets([], ["jax"], (), decode)}
+    assert list(found) == ["decode_cache_size", "decode_vs_keras_hub",
+                           "decode_floor", "rolling_decode",
+                           "generate_speed", "prefill_ratio"]
+    assert {k: t["status"] for k, t in found.items()} == {
+        "decode_cache_size": "met", "decode_vs_keras_hub": "met",
+        "decode_floor": "not met", "rolling_decode": "not met",
+        "generate_speed": "met", "prefill_ratio": "not met"}
+    assert found["decode_cache_size"]["detail"] == (
+        "jax: 3 ms / 2.5 ms = 1.20x")
+    assert found["decode_vs_keras_hub"]["detail"] == (
+        "jax: keras-hub 60 ms / ours 3 ms = 20.0x")
+    assert found["decode_floor"]["detail"] == (
+        "jax compiled p=65535: 8 ms vs 3 x 2 ms + 1 ms = 7 ms ((t - fixed) "
+        "/ floor = 3.50)")
+    assert "jax compiled: slowest / fastest 1.25" in found[
+        "rolling_decode"]["detail"]
+    assert "jax eager: slowest / fastest 1.00" in found[
+        "rolling_decode"]["detail"]
+    assert "jax full w=none compiled 1.60x" in found["prefill_ratio"][
+        "detail"]
+    assert found["generate_speed"]["detail"] == (
+        "jax: ours 300 / keras-hub 240 tokens/s = 1.25x, same tokens")
+
+
+def test_decode_targets_count_our_failures_not_keras_hubs():
+    full = 65536
+    theirs_failed = _decode_document("torch", {
+        ("keras_hub", "full", full, 1024, "eager"): plan.OUT_OF_MEMORY,
+        ("generate", "keras_hub"): plan.NOT_AVAILABLE,
+    })
+    found = {t["id"]: t for t in report.targets([], ["torch"], (),
+                                                theirs_failed)}
+    assert found["decode_vs_keras_hub"]["status"] == "n/a"
+    assert found["decode_vs_keras_hub"]["detail"] == (
+        "torch: keras-hub: out of memory (because)")
+    assert found["generate_speed"]["status"] == "n/a"
+    # torch has no compiled mode: its floor targets read eager.
+    assert found["decode_floor"]["detail"].startswith("torch eager p=65535")
+    ours_failed = _decode_document("torch", {
+        ("ours", "full", full, 1024, "eager"): plan.ERROR,
+        ("ours", "rolling", 512, 16384, "eager"): plan.TIMED_OUT,
+        ("prefill", "rolling", "eager"): plan.ERROR,
+    })
+    found = {t["id"]: t for t in report.targets([], ["torch"], (),
+                                                ours_failed)}
+    for target in ("decode_cache_size", "decode_vs_keras_hub",
+                   "rolling_decode", "prefill_ratio"):
+        assert found[target]["status"] == "not met", found[target]
+    assert "torch: ours L=65536: error (because)" in found[
+        "decode_cache_size"]["detail"]
+    assert found["decode_floor"]["status"] == "met"
 
 
 # ------------------------------------------------------------ FLOPs, caps

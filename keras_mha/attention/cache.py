@@ -102,33 +102,42 @@ def write(cache, key, value, valid, index, rolling):
     return ops.where(written[None, :, None, None], gathered, cache)
 
 
-def _write_run(cache, new, start, rolling):
-    """`new` `(B, T, ...)` written into slots `[start, start + T)`.
+def _write_run(cache, new, start, rolling, axis=1):
+    """`new` written into slots `[start, start + T)` of `axis`.
 
     A full cache's index is checked when it has a value (`checks.py`).
     Traced, an out-of-range run (`start < 0` or past the last slot) writes
     nothing on every backend, rather than the clamped slots that
     `dynamic_update_slice` would write.
     """
-    length, num_slots = new.shape[1], cache.shape[1]
+    length, num_slots = new.shape[axis], cache.shape[axis]
     if keras.backend.backend() in ("torch", "jax"):
         import keras_mha.attention.kernels as kernels
 
         if kernels.can_write_slots(cache):
-            return kernels.write_slots(cache, new, start)
+            return kernels.write_slots(cache, new, start, axis)
     zero = ops.zeros((), "int32")
     if not rolling and not isinstance(start, int):
         start = ops.cast(start, "int32")
         fits = ops.logical_and(start >= 0, start + length <= num_slots)
         clamped = ops.clip(start, 0, num_slots - length)
-        old = ops.slice(
-            cache, (zero, clamped, zero, zero),
-            (ops.shape(cache)[0], length) + tuple(cache.shape[2:]),
-        )
+        starts = [zero] * len(cache.shape)
+        starts[axis] = clamped
+        shape = list(ops.shape(cache))
+        shape[axis] = length
+        old = ops.slice(cache, tuple(starts), tuple(shape))
         new = ops.where(fits, new, old)
         start = clamped
-    return ops.slice_update(cache, (zero, start, zero, zero), new)
+    starts = [zero] * len(cache.shape)
+    starts[axis] = start
+    return ops.slice_update(cache, tuple(starts), new)
 
+
+def write_pair(cache, key, value, index):
+    """keras-hub's cache `(B, 2, S, K, H)` with `key` and `value`
+    `(B, T, K, H)` written at slots `index .. index + T - 1`."""
+    new = ops.stack([key, value], axis=1)  # (B, 2, T, K, H)
+    return _write_run(cache, ops.cast(new, cache.dtype), index, False, axis=2)
 
 
 def attend_inputs(cache, key, value, key_mask, index, rolling):

@@ -26,37 +26,46 @@ import keras_mha.attention.explicit as explicit
 import keras_mha.attention.logits as logits
 import keras_mha.attention.masks as masks_lib
 
+FLAGGED = "flagged"  # ours: (B, L, K, H + V + 1), keys, values, a flag
+PAIR = "pair"  # keras-hub's: (B, 2, L, K, H), keys at [:, 0], values at [:, 1]
+
 # Keys per block. Measured on the 2-core CPU (torch and JAX eager, B = 1,
 # N = 8, H = 64, one token): 1024 kept the step at p = 1k as fast as 256
 # and cut the loop's iterations at p = 64k fourfold.
 BLOCK_SIZE = 1024
 
 
-def decode_attention(query, cache, spec, rolling, block_size=BLOCK_SIZE):
+def decode_attention(query, cache, spec, rolling, block_size=BLOCK_SIZE,
+                     layout=FLAGGED, limit=None):
     """Attention of `query` over `cache` after this step's write.
 
     Args:
         query: `(B, T, N, H)`, at positions `spec.query_offset + t`.
-        cache: `(B, L, K, H + V + 1)` holding the step's own tokens (see
-            `cache.py`); each slot's flag says whether a real token was
-            written there.
+        cache: holding the step's own tokens: `(B, L, K, H + V + 1)` (see
+            `cache.py`; each slot's flag says whether a real token was
+            written there) or keras-hub's `(B, 2, L, K, H)` (`layout`).
         spec: an `AttentionSpec` whose `query_offset` is the step's index;
-            no dense mask, bias, segment ids, dropout or weights.
+            a dense `attention_mask` `(B|1, N|1, T, L)` is read a block at a
+            time; no bias, segment ids, dropout or weights.
         rolling: whether slot = position mod L (then `T = 1`).
         block_size: keys per block `b` of a full cache.
+        layout: `FLAGGED` or `PAIR`.
+        limit: no slot at or after it is read; the last query's position
+            plus 1 if `None`.
 
     Returns:
         `(B, T, N, V)` in the query's dtype.
     """
     out_dtype = query.dtype
-    num_slots = cache.shape[1]
+    pair = layout == PAIR
+    num_slots = cache.shape[2] if pair else cache.shape[1]
     block = num_slots if rolling else min(block_size, num_slots)
     (query,) = explicit.upcast(query)
     dtype = query.dtype
     batch, t_len = ops.shape(query)[0], query.shape[1]
     num_heads, key_dim = query.shape[2], query.shape[3]
-    num_kv = cache.shape[2]
-    value_dim = cache.shape[3] - key_dim - 1
+    num_kv = cache.shape[3] if pair else cache.shape[2]
+    value_dim = cache.shape[4] if pair else cache.shape[3] - key_dim - 1
     groups = num_heads // num_kv
     q = ops.multiply(query, ops.cast(spec.scale, dtype))
     q = ops.reshape(q, (batch, t_len, num_kv, groups, key_dim))
@@ -64,7 +73,9 @@ def decode_attention(query, cache, spec, rolling, block_size=BLOCK_SIZE):
     query_positions = ops.cast(spec.query_offset, "int32") + ops.arange(
         t_len, dtype="int32"
     )  # (T,)
-    limit = query_positions[-1] + 1  # no slot at or after it is visible
+    if limit is None:
+        limit = query_positions[-1] + 1  # no slot at or after it is visible
+    limit = ops.cast(limit, "int32")
     query_mask = spec.query_mask
     if query_mask is None:
         query_mask = ops.ones((batch, t_len), "bool")
@@ -79,9 +90,20 @@ def decode_attention(query, cache, spec, rolling, block_size=BLOCK_SIZE):
     if spec.alibi is not None:
         slopes = ops.convert_to_tensor(spec.alibi, dtype)
         constants += (ops.reshape(slopes, (1, num_kv, groups, 1, 1)),)
+    dense = spec.attention_mask
+    if dense is not None:  # (B|1, N|1, T|1, L) -> (B|1, K|1, G|1, T|1, L)
+        lead, heads = dense.shape[0], dense.shape[1]
+        dense = ops.reshape(
+            dense,
+            (-1 if lead != 1 else 1,)
+            + ((num_kv, groups) if heads != 1 else (1, 1))
+            + tuple(dense.shape[2:]),
+        )
+        constants += (ops.cast(dense, "bool"),)
     cond, body = _loop(
         block, num_slots, rolling, key_dim, value_dim, spec.causal,
-        spec.window, spec.soft_cap, spec.alibi is not None,
+        spec.window, spec.soft_cap, spec.alibi is not None, dense is not None,
+        pair,
     )
     blocks = 1 if rolling else _concrete_blocks(limit, block)
     if blocks is None:  # traced: the trip count is a tensor
@@ -109,7 +131,7 @@ def decode_attention(query, cache, spec, rolling, block_size=BLOCK_SIZE):
 
 @functools.lru_cache(maxsize=64)
 def _loop(block, num_slots, rolling, key_dim, value_dim, causal, window,
-          soft_cap, use_alibi):
+          soft_cap, use_alibi, use_dense, pair):
     """`(cond, body)` of the loop over key blocks, one pair per geometry and
     choice of features: `jax.lax.while_loop` caches its trace on them."""
 
@@ -124,13 +146,24 @@ def _loop(block, num_slots, rolling, key_dim, value_dim, causal, window,
         # `i·b` were read already and are masked.
         start = ops.minimum(i * block, num_slots - block)
         zero = ops.zeros((), "int32")
-        slots = ops.slice(
-            cache, (zero, start, zero, zero),
-            (batch, block, cache.shape[2], cache.shape[3]),
-        )  # (B, b, K, H + V + 1)
-        keys = ops.cast(slots[..., :key_dim], q.dtype)
-        values = ops.cast(slots[..., key_dim : key_dim + value_dim], q.dtype)
-        written = ops.greater(slots[:, :, 0, -1], 0.5)  # (B, b)
+        if pair:
+            slots = ops.slice(
+                cache, (zero, zero, start, zero, zero),
+                (batch, 2, block) + tuple(cache.shape[3:]),
+            )  # (B, 2, b, K, H)
+            keys = ops.cast(slots[:, 0], q.dtype)
+            values = ops.cast(slots[:, 1], q.dtype)
+            written = ops.ones((1, block), "bool")
+        else:
+            slots = ops.slice(
+                cache, (zero, start, zero, zero),
+                (batch, block, cache.shape[2], cache.shape[3]),
+            )  # (B, b, K, H + V + 1)
+            keys = ops.cast(slots[..., :key_dim], q.dtype)
+            values = ops.cast(
+                slots[..., key_dim : key_dim + value_dim], q.dtype
+            )
+            written = ops.greater(slots[:, :, 0, -1], 0.5)  # (B, b)
         slot = start + ops.arange(block, dtype="int32")
         positions = cache_lib.slot_positions(
             limit, num_slots, rolling, slot
@@ -153,6 +186,11 @@ def _loop(block, num_slots, rolling, key_dim, value_dim, causal, window,
         mask = ops.logical_and(mask, written[:, None, :])  # (B, T|1, b)
         mask = ops.logical_and(mask, query_mask[:, :, None])  # (B, T, b)
         mask = mask[:, None, None]  # (B, 1, 1, T, b)
+        if use_dense:
+            dense = constants[-1]  # (B|1, K|1, G|1, T|1, L)
+            shape = tuple(dense.shape[:4]) + (block,)
+            dense = ops.slice(dense, (zero,) * 4 + (start,), shape)
+            mask = ops.logical_and(mask, dense)
         scores = ops.where(
             mask, scores, ops.cast(logits.MASKED_LOGIT, scores.dtype)
         )

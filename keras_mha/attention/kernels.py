@@ -98,9 +98,9 @@ def _spans(x, band):
     )
 
 
-def write_slots(cache, new, start):
-    """`cache` with `new` `(B, T, ...)` written into slots
-    `[start, start + T)`, in place where the backend allows it.
+def write_slots(cache, new, start, axis=1):
+    """`cache` with `new` written into slots `[start, start + T)` of
+    `axis` (`T = new.shape[axis]`), in place where the backend allows it.
 
     torch: the same tensor comes back. JAX (eager calls only): the cache
     passed in is donated and must not be used again. `start` is an int or
@@ -112,9 +112,9 @@ def write_slots(cache, new, start):
         import torch
 
         with torch.no_grad():
-            cache.narrow(1, int(start), new.shape[1]).copy_(new)
+            cache.narrow(axis, int(start), new.shape[axis]).copy_(new)
         return cache
-    return _jax_update()(cache, new.astype(cache.dtype), start)
+    return _jax_update(axis)(cache, new.astype(cache.dtype), start)
 
 
 def can_write_slots(cache):
@@ -132,14 +132,15 @@ def can_write_slots(cache):
     return False
 
 
-@functools.lru_cache(maxsize=1)
-def _jax_update():
+@functools.lru_cache(maxsize=4)
+def _jax_update(axis):
     import jax
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def update(cache, new, start):
         zero = jax.numpy.zeros((), "int32")
-        start = jax.numpy.asarray(start, "int32")
-        return jax.lax.dynamic_update_slice(cache, new, (zero, start, zero, zero))
+        starts = [zero] * cache.ndim
+        starts[axis] = jax.numpy.asarray(start, "int32")
+        return jax.lax.dynamic_update_slice(cache, new, tuple(starts))
 
     return update

@@ -18,24 +18,48 @@ weights) of:
   local_window_size=(w-1, 0))`; attention core only.
 
 It also measures each backend's float32 matmul rate (the yardstick of the
-"% matmul" column and of the roofline), unless `--no-decode` the per-token
-decode time of our layer with a rolling cache of w slots against a
-full-length cache, and unless `--no-features` the feature cells: our whole
-layer at T=16384, w=128, causal, forward and forward+backward, with one
-feature of current models on (RoPE, soft-cap 50, sinks, ALiBi, 4 equal
-segments of `segment_ids`) against the same layer with none (`plain`),
-each as a ratio to plain (target: at most 1.3x). `--features` runs only
-the feature cells (`OUT/bench-features.json`, `OUT/report-features.md`),
-`--long` only the long-sequence case (T=262144, w=128, ours and ours_core,
-forward).
+"% matmul" column and of the roofline) and, unless `--no-features`, the
+feature cells: our whole layer at T=16384, w=128, causal, forward and
+forward+backward, with one feature of current models on (RoPE, soft-cap
+50, sinks, ALiBi, 4 equal segments of `segment_ids`) against the same
+layer with none (`plain`), each as a ratio to plain (target: at most
+1.3x).
+
+Unless `--no-decode`, it measures decoding (the config's `decode`
+section), each cell eager and, on jax and tensorflow, compiled (`jax.jit`
+with the cache donated, `tf.function(jit_compile=True)`):
+
+- the time per token of one step of our layer with a full cache of
+  65,536 slots at p = 1, 1024, 16384 and 65535, with one of 2,048 slots at
+  p = 1024 and with a rolling cache of w = 512 slots at the same positions
+  as the first, and of keras-hub's `CachedMultiHeadAttention` (its cache
+  `(B, 2, S, N, H)`, a causal `attention_mask` `(B, 1, S)`) with the same
+  full caches at the same positions but 1;
+- the floor: reading the valid cached bytes once (the sum of the `p + 1`
+  first slots of a tensor shaped as our full cache, of the `w` of a
+  rolling one; compiled, torch eager), and the fixed cost of a step: ours
+  at p = 1 in the same cache;
+- the tokens per second of a tiny keras-hub GPT-2's greedy `generate`
+  (2 layers, 2 heads, E=64; a prompt of 8 tokens, `max_length` 128) with
+  keras-hub's attention and with `keras_mha.CachedMultiHeadAttention` in
+  its decoders, the same weights;
+- a prefill of T=8192 through our layer's cache at `cache_update_index=0`
+  (a rolling cache of w=128, a full one of 8192 slots) against the same
+  forward without a cache.
+
+`--features` runs only the feature cells (`OUT/bench-features.json`,
+`OUT/report-features.md`), `--decode` only the decode cells
+(`OUT/bench-decode.json`, `OUT/report-decode.md`), `--long` only the
+long-sequence case (T=262144, w=128, ours and ours_core, forward).
 
 The command (`command.py`) runs each backend in its own worker process
 (`worker.py`, `backends.py`) fed one unit at a time by the parent
 (`runner.py`), which enforces the wall-clock and memory limits; units
 predicted to pass the time or memory cap are skipped (`plan.py`); peak
 memory is the largest growth of the worker's resident memory during the
-timed calls (`memory.py`). Results are reported, never dropped: a unit that
-did not produce a time says why.
+timed calls (`memory.py`); on a GPU, every timed call waits for its kernels
+(`Backend.block`). Results are reported, never dropped: a unit that did not
+produce a time says why.
 
 Outputs: a table and the targets of the issues on the terminal, and
 `OUT/bench.json` (every unit), `OUT/report.md` (the terminal's tables and

@@ -5,7 +5,9 @@ zero-argument functions to try in order, the first that runs is timed.
 Only TensorFlow has two: `tf.function(jit_compile=True)`, then plain
 `tf.function` where XLA fails or does not finish its first call in time
 (the parent abandons it, see `runner.py`). JAX runs under `jax.jit`, torch
-eagerly (`flex_attention` under `torch.compile`).
+eagerly (`flex_attention` under `torch.compile`); `eager` runs a call as
+it is on every backend (what a first user runs), and a cached call
+(`cached`, decoding) has both modes.
 
 Forward+backward is the gradient of `0.5 * sum(y^2)` with respect to every
 input (and, for a layer, every trainable weight), with the backend's own
@@ -40,6 +42,14 @@ def _segments(held):
     return {"segment_ids": held[0]} if held else {}
 
 
+def _cached_arguments(cache, index, mask):
+    """The keyword arguments of a call with a cache: keras-hub's layer reads
+    its causal `attention_mask` `(B, 1, S)`, ours `use_causal_mask`."""
+    causal = ({"use_causal_mask": True} if mask is None
+              else {"attention_mask": mask})
+    return {"cache": cache, "cache_update_index": index, **causal}
+
+
 class Backend:
     name = None
     compiler = None
@@ -52,6 +62,18 @@ class Backend:
     def block(self, result):
         """Waits until `result` is computed (JAX dispatches asynchronously)."""
         return result
+
+    def eager(self, fn):
+        """`fn` called as it is, no compiler."""
+        return [("eager", fn)]
+
+    def _eager_cached(self, layer, inputs, state):
+        def run():
+            out, state["cache"] = layer(inputs, inputs, **_cached_arguments(
+                state["cache"], state["index"], state["mask"]))
+            return out
+
+        return self.eager(run)
 
 
 class Jax(Backend):
@@ -114,24 +136,32 @@ class Jax(Backend):
         compiled = self.jax.jit(self.jax.numpy.matmul)
         return lambda: compiled(a, b)
 
-    def decode(self, layer, x, state):
+    def cached(self, layer, inputs, state, mode):
+        """One call of `layer` on `inputs` with `state["cache"]` at
+        `state["index"]` (and keras-hub's `state["mask"]`), the new cache
+        threaded back into `state`: eagerly, or under `jax.jit` with the
+        cache donated, as a decode loop does, so XLA may update it in
+        place. A Python index (a prefill at 0) is a constant of the
+        program, a tensor one an argument."""
+        if mode == "eager":
+            return self._eager_cached(layer, inputs, state)
         trainable = [v.value for v in layer.trainable_variables]
         frozen = [v.value for v in layer.non_trainable_variables]
 
-        def step(weights, token, cache, index):
+        def step(weights, inputs, cache, index, mask):
             (out, new_cache), _ = layer.stateless_call(
-                weights, frozen, token, token, use_causal_mask=True,
-                cache=cache, cache_update_index=index,
+                weights, frozen, inputs, inputs,
+                **_cached_arguments(cache, index, mask),
             )
             return out, new_cache
 
-        # The cache is threaded through the steps and donated, as a decode
-        # loop does, so XLA may update it in place.
-        compiled = self.jax.jit(step, donate_argnums=(2,))
+        static = (3,) if isinstance(state["index"], int) else ()
+        compiled = self.jax.jit(step, donate_argnums=(2,),
+                                static_argnums=static)
 
         def run():
-            out, state["cache"] = compiled(trainable, x, state["cache"],
-                                          state["index"])
+            out, state["cache"] = compiled(trainable, inputs, state["cache"],
+                                          state["index"], state["mask"])
             return out
 
         return [(self.compiler, run)]
@@ -148,6 +178,14 @@ class TensorFlow(Backend):
         import tensorflow as tf
 
         self.tf = tf
+        self._gpu = bool(tf.config.list_logical_devices("GPU"))
+
+    def block(self, result):
+        # On a GPU, eager ops and compiled functions return before their
+        # kernels finish.
+        if self._gpu:
+            self.tf.test.experimental.sync_devices()
+        return result
 
     def _candidates(self, make):
         return [(self.compiler, make(True)),
@@ -191,17 +229,21 @@ class TensorFlow(Backend):
         compiled = self.tf.function(self.tf.matmul, jit_compile=True)
         return lambda: compiled(a, b)
 
-    def decode(self, layer, x, state):
+    def cached(self, layer, inputs, state, mode):
+        """As `Jax.cached`: eagerly, or under `tf.function` (XLA first)."""
+        if mode == "eager":
+            return self._eager_cached(layer, inputs, state)
+
         def make(jit):
-            def step(token, cache, index):
-                return layer(token, token, use_causal_mask=True, cache=cache,
-                             cache_update_index=index)
+            def step(inputs, cache, index, mask):
+                return layer(inputs, inputs,
+                             **_cached_arguments(cache, index, mask))
 
             compiled = self.tf.function(step, jit_compile=jit)
 
             def run():
-                out, state["cache"] = compiled(x, state["cache"],
-                                              state["index"])
+                out, state["cache"] = compiled(inputs, state["cache"],
+                                              state["index"], state["mask"])
                 return out
 
             return run
@@ -227,6 +269,11 @@ class Torch(Backend):
             torch._dynamo.config.recompile_limit = 256
         self._flex = None
         self._window = None
+
+    def block(self, result):
+        if self.torch.cuda.is_available():  # kernels run asynchronously
+            self.torch.cuda.synchronize()
+        return result
 
     def core(self, fn, args, mode, weights=(), held=()):
         """`fn(*args, *held)`, or its gradient w.r.t. `args` and
@@ -315,18 +362,18 @@ class Torch(Backend):
     def matmul(self, a, b):
         return lambda: self.torch.matmul(a, b)
 
-    def decode(self, layer, x, state):
+    def eager(self, fn):
         torch = self.torch
 
         def run():
             with torch.no_grad():
-                out, state["cache"] = layer(
-                    x, x, use_causal_mask=True, cache=state["cache"],
-                    cache_update_index=state["index"],
-                )
-            return out
+                return fn()
 
-        return [(self.compiler, run)]
+        return [("eager", run)]
+
+    def cached(self, layer, inputs, state, mode):
+        """As `Jax.cached`, eagerly only."""
+        return self._eager_cached(layer, inputs, state)
 
     def index(self, position):
         return self.torch.tensor(position, dtype=self.torch.int32)

@@ -20,10 +20,13 @@ def add_parser(commands):
         help="speed and memory: ours vs keras vs native attention",
         description="Times keras_mha.MultiHeadAttention, "
         "keras.layers.MultiHeadAttention and native attention kernels "
-        "(forward, forward+backward, peak memory, decode) on each backend, "
-        "each in its own process, and our layer with each feature (RoPE, "
-        "soft-cap, sinks, ALiBi, segment ids) against none. Matrix: "
-        "--config FILE, by default the packaged "
+        "(forward, forward+backward, peak memory) on each backend, each in "
+        "its own process; our layer with each feature (RoPE, soft-cap, "
+        "sinks, ALiBi, segment ids) against none; and decoding: ours and "
+        "keras-hub's CachedMultiHeadAttention per token, eager and "
+        "compiled, against the floor of reading the cache, a tiny GPT-2 "
+        "generate with either attention, and a prefill through the cache. "
+        "Matrix: --config FILE, by default the packaged "
         "keras_mha/cli/matrices/bench.json.",
     )
     parser.add_argument("--backends", metavar="A,B",
@@ -45,8 +48,18 @@ def add_parser(commands):
     parser.add_argument("--long", action="store_true",
                         help="the long-sequence case only: T=262144, "
                         "w=128, ours (layer and core), forward")
+    parser.add_argument("--decode", action="store_true",
+                        help="the decode cells only: per-token steps of "
+                        "ours and keras-hub's CachedMultiHeadAttention, "
+                        "eager and compiled, against the floor of reading "
+                        "the cache; a tiny GPT-2 generate with either "
+                        "attention; a prefill through the cache (the "
+                        "config's decode section: full caches of 65536 and "
+                        "2048 slots, a rolling one of 512, prefill T=8192 "
+                        "by default); writes bench-decode.json and "
+                        "report-decode.md")
     parser.add_argument("--no-decode", action="store_true",
-                        help="skip the decode benchmark")
+                        help="skip the decode cells")
     parser.add_argument("--features", action="store_true",
                         help="the feature cells only: our layer with RoPE, "
                         "soft-cap, sinks, ALiBi or segment ids against "
@@ -70,16 +83,19 @@ def run(args):
 
     if args.quick and args.long:
         raise CLIError("--quick and --long exclude each other")
-    if args.features:
+    only = "features" if args.features else "decode" if args.decode else None
+    if args.features and args.decode:
+        raise CLIError("--features and --decode exclude each other")
+    if only is not None:
         for flag, given in (("--long", args.long),
-                            ("--no-features", args.no_features)):
+                            (f"--no-{only}", getattr(args, f"no_{only}"))):
             if given:
-                raise CLIError(f"--features and {flag} exclude each other")
+                raise CLIError(f"--{only} and {flag} exclude each other")
         for flag, given in (("--lengths", args.lengths),
                             ("--windows", args.windows)):
             if given is not None:
-                raise CLIError(f"--features takes T and w from the config's "
-                               f"features section, not {flag}")
+                raise CLIError(f"--{only} takes its sizes from the config's "
+                               f"{only} section, not {flag}")
     overrides = {
         "lengths": plan.parse_list(args.lengths, "lengths", plan.length_item),
         "windows": plan.parse_list(args.windows, "windows", plan.window_item),
@@ -96,8 +112,8 @@ def run(args):
         config["decode"] = None
     if args.no_features or args.long:
         config["features"] = None
-    if args.features and config["features"] is None:
-        raise CLIError("--features: the config's features section is null")
+    if only is not None and config[only] is None:
+        raise CLIError(f"--{only}: the config's {only} section is null")
     missing = [b for b in config["backends"] if not backend_installed(b)]
     if args.backends is not None and missing:
         raise CLIError(f"backend {missing[0]!r} is not installed "
@@ -110,14 +126,14 @@ def run(args):
     from keras_mha.cli.bench import report
 
     out = report.check_output_folder(args.out)
-    case = "long" if args.long else "features" if args.features else None
+    case = "long" if args.long else only
     return _bench(config, out, case, skipped=missing)
 
 
 def _bench(config, out, case, skipped):
     """Runs the units and writes the report. `case`: `None` (the matrix),
-    `"long"` (the matrix of the long profile, no plot) or `"features"`
-    (the feature cells only, no plot)."""
+    `"long"` (the matrix of the long profile, no plot), `"features"` or
+    `"decode"` (that section's cells only, no plot)."""
     from rich.console import Console
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
                                TextColumn, TimeElapsedColumn)
@@ -126,7 +142,8 @@ def _bench(config, out, case, skipped):
     from keras_mha.cli.bench import report
     from keras_mha.cli.bench import runner
 
-    units = {b: plan.units_for(b, config, only_features=case == "features")
+    only = case if case in ("features", "decode") else None
+    units = {b: plan.units_for(b, config, only=only)
              for b in config["backends"]}
     console = Console(highlight=False)
     if not console.is_terminal:
@@ -159,8 +176,9 @@ def _bench(config, out, case, skipped):
     markdown_path = os.path.join(out, f"report{suffix}.md")
 
     def document(missing):
-        cells, decode, matmul = report.build_cells(config, units,
-                                                   bench.results, missing)
+        cells, matmul = report.build_cells(config, units, bench.results,
+                                           missing)
+        decode = report.build_decode(config, units, bench.results, missing)
         features = report.build_features(units, bench.results, missing)
         found = {
             "what": "keras-mha bench" + (f" --{case}" if case else ""),
@@ -178,7 +196,7 @@ def _bench(config, out, case, skipped):
         }
         if case != "long":
             found["targets"] = report.targets(cells, config["backends"],
-                                              features)
+                                              features, decode)
         return found
 
     interrupted = False

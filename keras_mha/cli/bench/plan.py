@@ -6,7 +6,12 @@ one or two *units*, one per mode (`forward`, `forward_backward`). A
 *feature cell* is one (backend, feature) of the `features` section: our
 whole layer at one T and w with one feature of current models on (RoPE,
 soft-cap, sinks, ALiBi, segment ids), or none (`plain`, the baseline of
-its ratios); it has a unit per mode too. Each unit
+its ratios); it has a unit per mode too. The `decode` section has four
+kinds of units (`decode_units`): `decode`, one token at position p
+through a cache (ours or keras-hub's layer, a full or rolling cache,
+`eager` or `compiled`); `floor`, reading the cache's valid slots once;
+`generate`, a tiny keras-hub GPT-2's `generate`; `prefill`, a prompt
+through the cache at index 0 or the same forward without one. Each unit
 ends with a status: `ok`, `skipped`, `out of memory`, `timed out`, `error`,
 `n/a` or `not run` (interrupted), and every one but `ok` carries a reason.
 Units are never dropped.
@@ -45,6 +50,21 @@ FEATURES = ("plain", "rope", "soft_cap", "sinks", "alibi", "segments")
 FEATURE_LABELS = {"plain": "plain", "rope": "RoPE", "soft_cap": "soft-cap",
                   "sinks": "sinks", "alibi": "ALiBi",
                   "segments": "segment ids"}
+# Decode cells: `keras_mha.MultiHeadAttention` with its cache, keras-hub's
+# `CachedMultiHeadAttention` with its own (`(B, 2, S, N, H)`, a causal
+# `attention_mask`), and the floor: reading the valid cache slots once.
+DECODE_IMPLS = ("ours", "keras_hub")
+DECODE_LABELS = {"ours": "ours", "keras_hub": "keras-hub",
+                 "read": "read (floor)"}
+# `compiled`: `jax.jit` with the cache donated, `tf.function(jit_compile=
+# True)`; torch runs eagerly only.
+DECODE_MODES = ("eager", "compiled")
+COMPILED_DECODE_BACKENDS = ("jax", "tensorflow")
+# The fixed cost of a step: ours at this position, in the same cache.
+FIXED_POSITION = 1
+# The tiny keras-hub GPT-2 of the `generate` units.
+GPT2 = {"vocabulary_size": 50, "num_layers": 2, "num_heads": 2,
+        "hidden_dim": 64, "intermediate_dim": 128, "max_sequence_length": 256}
 
 OK = "ok"
 SKIPPED = "skipped"
@@ -85,8 +105,11 @@ _DEFAULTS = {
     "dense_bytes_factor": 3.0,
     "matmul_size": 2048,
     "matmul_repeats": 10,
-    "decode": {"window": 512, "positions": [1024, 4096, 16384, 65536],
-               "full_length": 65537, "repeats": 10},
+    "decode": {"window": 512, "full_length": 65536, "short_length": 2048,
+               "positions": [1024, 16384, 65535], "repeats": 10,
+               "generate": {"prompt_length": 8, "max_length": 128,
+                            "repeats": 3},
+               "prefill": {"length": 8192, "window": 128, "repeats": 3}},
     "features": {"length": 16384, "window": 128, "causal": True,
                  "features": list(FEATURES), "modes": list(MODES),
                  "soft_cap": 50.0, "segments": 4},
@@ -136,10 +159,12 @@ def load_config(path=None, profile=None, overrides=None):
 
 
 def _merge(base, changes):
+    """`base` with `changes`; an object in both is merged field by field, at
+    every depth."""
     merged = dict(base)
     for key, value in changes.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):
-            merged[key] = {**base[key], **value}
+            merged[key] = _merge(base[key], value)
         else:
             merged[key] = value
     return merged
@@ -200,24 +225,8 @@ def _check(config, where):
         ) <= set(allowed):
             fail(f"{name} must be a list drawn from {', '.join(allowed)}, "
                  f"got {values!r}")
-    decode = config["decode"]
-    if decode is not None:
-        if not isinstance(decode, dict) or set(decode) != {
-            "window", "positions", "full_length", "repeats"
-        }:
-            fail("decode must be null or an object with window, positions, "
-                 "full_length and repeats")
-        if not (_positive_int(decode["window"])
-                and _positive_int(decode["repeats"])
-                and _positive_int(decode["full_length"])
-                and isinstance(decode["positions"], list)
-                and decode["positions"]
-                and all(_positive_int(p) for p in decode["positions"])):
-            fail("decode: window, repeats, full_length must be positive "
-                 "integers and positions a list of them")
-        if max(decode["positions"]) >= decode["full_length"]:
-            fail("decode: every position must be < full_length (the full "
-                 "cache needs a slot for it)")
+    if config["decode"] is not None:
+        config["decode"] = _check_decode(config["decode"], fail)
     if config["features"] is not None:
         config["features"] = _check_features(config["features"], fail)
     # Keep the order given, drop repeats.
@@ -225,6 +234,51 @@ def _check(config, where):
                  "implementations", "modes"):
         config[name] = list(dict.fromkeys(config[name]))
     config["lengths"] = sorted(config["lengths"])  # caps extrapolate upwards
+
+
+def _check_decode(decode, fail):
+    """The checked `decode` section, a new object, its positions sorted
+    without repeats."""
+    fields = {"window", "full_length", "short_length", "positions",
+              "repeats", "generate", "prefill"}
+    if not isinstance(decode, dict) or set(decode) != fields:
+        fail("decode must be null or an object with "
+             f"{', '.join(sorted(fields))}")
+    positions = decode["positions"]
+    if not (all(_positive_int(decode[name]) for name in (
+                "window", "full_length", "short_length", "repeats"))
+            and isinstance(positions, list) and positions
+            and all(_positive_int(p) for p in positions)):
+        fail("decode: window, full_length, short_length and repeats must be "
+             "positive integers and positions a list of them")
+    positions = sorted(set(positions))
+    if decode["short_length"] >= decode["full_length"]:
+        fail("decode: short_length must be < full_length (the target "
+             "compares the two caches)")
+    if positions[-1] >= decode["full_length"]:
+        fail(f"decode: every position must be < full_length (index + 1 <= "
+             f"L), got {positions[-1]}")
+    if positions[0] >= decode["short_length"]:
+        fail(f"decode: the first position must be < short_length (the "
+             f"short cache is compared there), got {positions[0]}")
+    generate, prefill = decode["generate"], decode["prefill"]
+    if not isinstance(generate, dict) or set(generate) != {
+        "prompt_length", "max_length", "repeats"
+    } or not all(_positive_int(v) for v in generate.values()):
+        fail("decode: generate must be an object of positive integers "
+             "prompt_length, max_length and repeats")
+    if not generate["prompt_length"] < generate["max_length"] <= GPT2[
+        "max_sequence_length"
+    ]:
+        fail(f"decode: generate needs prompt_length < max_length <= "
+             f"{GPT2['max_sequence_length']} (the GPT-2's longest sequence)")
+    if not isinstance(prefill, dict) or set(prefill) != {
+        "length", "window", "repeats"
+    } or not all(_positive_int(v) for v in prefill.values()):
+        fail("decode: prefill must be an object of positive integers "
+             "length, window and repeats")
+    return {**decode, "positions": positions, "generate": dict(generate),
+            "prefill": dict(prefill)}
 
 
 def _check_features(features, fail):
@@ -316,17 +370,25 @@ def implementations_for(backend, config):
 
 
 def unit_id(unit):
-    if unit["kind"] == "matmul":
-        return f"{unit['backend']}|matmul {unit['size']}"
-    if unit["kind"] == "decode":
-        return (f"{unit['backend']}|decode {unit['cache']} "
-                f"p={unit['position']}")
-    if unit["kind"] == "feature":
-        causal = "causal" if unit["causal"] else "bidirectional"
-        return (f"{unit['backend']}|feature {unit['feature']}|T={unit['T']}|"
-                f"w={unit['w']}|{causal}|{unit['mode']}")
+    kind, backend = unit["kind"], unit["backend"]
+    if kind == "matmul":
+        return f"{backend}|matmul {unit['size']}"
+    if kind == "decode":
+        return (f"{backend}|decode {unit['impl']} {unit['cache']} "
+                f"L={unit['slots']} p={unit['position']} {unit['mode']}")
+    if kind == "floor":
+        return (f"{backend}|floor {unit['cache']} L={unit['slots']} "
+                f"reads={unit['reads']} {unit['mode']}")
+    if kind == "generate":
+        return f"{backend}|generate {unit['impl']}"
+    if kind == "prefill":
+        return (f"{backend}|prefill {unit['cache']} T={unit['T']} "
+                f"w={unit['w']} {unit['mode']}")
     causal = "causal" if unit["causal"] else "bidirectional"
-    return (f"{unit['backend']}|T={unit['T']}|w={unit['w']}|{causal}|"
+    if kind == "feature":
+        return (f"{backend}|feature {unit['feature']}|T={unit['T']}|"
+                f"w={unit['w']}|{causal}|{unit['mode']}")
+    return (f"{backend}|T={unit['T']}|w={unit['w']}|{causal}|"
             f"{unit['impl']}|{unit['mode']}")
 
 
@@ -336,18 +398,19 @@ def series_key(unit):
             unit["mode"])
 
 
-def units_for(backend, config, only_features=False):
+def units_for(backend, config, only=None):
     """Every unit of one backend, in the order a worker runs them.
 
     The matmul rate comes first; attention units follow in increasing T (so
     each unit's caps can be predicted from the shorter ones), the two modes
     of a cell next to each other (they share one built layer); then the
-    feature cells, `plain` first; decode last. A section set to `None`
-    (`decode`, `features`) has no units; `only_features` keeps the feature
-    cells alone.
+    feature cells, `plain` first; the decode section last
+    (`decode_units`). A section set to `None` (`decode`, `features`) has
+    no units; `only` (`"features"` or `"decode"`) keeps that section
+    alone.
     """
     units = []
-    if not only_features:
+    if only is None:
         units.append({"kind": "matmul", "backend": backend,
                       "size": config["matmul_size"],
                       "repeats": config["matmul_repeats"]})
@@ -362,7 +425,7 @@ def units_for(backend, config, only_features=False):
                                 "impl": impl, "mode": mode,
                             })
     spec = config["features"]
-    if spec is not None:
+    if spec is not None and only in (None, "features"):
         for feature in spec["features"]:
             for mode in spec["modes"]:
                 units.append({
@@ -371,14 +434,82 @@ def units_for(backend, config, only_features=False):
                     "causal": spec["causal"], "impl": "ours",
                     "feature": feature, "mode": mode,
                 })
-    if not only_features and config["decode"] is not None:
-        spec = config["decode"]
-        for cache in ("rolling", "full"):
-            for position in spec["positions"]:
-                units.append({"kind": "decode", "backend": backend,
-                              "cache": cache, "position": position})
+    if config["decode"] is not None and only in (None, "decode"):
+        units += decode_units(backend, config["decode"])
     for unit in units:
         unit["id"] = unit_id(unit)
+    return units
+
+
+def decode_modes(backend):
+    """The modes of the decode section's units on `backend`."""
+    return [mode for mode in DECODE_MODES
+            if mode == "eager" or backend in COMPILED_DECODE_BACKENDS]
+
+
+def fast_mode(backend):
+    """The mode the floors are read in and the floor targets compare:
+    `compiled` where there is one, else `eager` (torch)."""
+    return decode_modes(backend)[-1]
+
+
+def decode_caches(spec, impl):
+    """`[(cache, slots, positions)]`: the caches `impl` decodes with. Ours:
+    a full cache of `full_length` slots at the fixed position and every
+    position, one of `short_length` at the first position, a rolling one of
+    `window` slots at the positions of the full one; keras-hub's: the full
+    caches, at the same positions but the fixed one."""
+    positions = spec["positions"]
+    fixed = [FIXED_POSITION] if impl == "ours" else []
+    caches = [("full", spec["full_length"],
+               sorted(set(fixed + positions))),
+              ("full", spec["short_length"], positions[:1])]
+    if impl == "ours":
+        caches.append(("rolling", spec["window"],
+                       sorted(set(fixed + positions))))
+    return caches
+
+
+def decode_units(backend, spec):
+    """The decode section's units of one backend, in the order it runs them.
+
+    The floors first, in the fast mode (reading the `p + 1` valid slots of
+    a full cache at each position, the `w` slots of a rolling one); then
+    each (layer, cache) in each mode at its positions in increasing order
+    (they share one layer, cache and compiled step); then `generate` with
+    keras-hub's attention and with ours; then the prefills, each window
+    (the rolling one, none) without a cache and through one.
+    """
+    units = []
+    floor_mode = fast_mode(backend)
+    for position in spec["positions"]:
+        units.append({"kind": "floor", "backend": backend, "cache": "full",
+                      "slots": spec["full_length"], "position": position,
+                      "reads": position + 1, "mode": floor_mode})
+    units.append({"kind": "floor", "backend": backend, "cache": "rolling",
+                  "slots": spec["window"], "position": None,
+                  "reads": spec["window"], "mode": floor_mode})
+    for impl in DECODE_IMPLS:
+        for cache, slots, positions in decode_caches(spec, impl):
+            for mode in decode_modes(backend):
+                for position in positions:
+                    units.append({
+                        "kind": "decode", "backend": backend, "impl": impl,
+                        "cache": cache, "slots": slots, "position": position,
+                        "mode": mode,
+                    })
+    generate = spec["generate"]
+    for impl in DECODE_IMPLS:
+        units.append({"kind": "generate", "backend": backend, "impl": impl,
+                      "prompt_length": generate["prompt_length"],
+                      "max_length": generate["max_length"]})
+    prefill = spec["prefill"]
+    for window, cache in ((prefill["window"], "rolling"), (None, "full")):
+        for mode in decode_modes(backend):
+            for name in ("none", cache):
+                units.append({"kind": "prefill", "backend": backend,
+                              "cache": name, "T": prefill["length"],
+                              "w": window, "mode": mode})
     return units
 
 

@@ -23,6 +23,13 @@ MIN_NO_WINDOW_SPEED = 0.95  # keras time / ours time, w = none or w >= T
 MIN_JAX_CAUSAL_SPEEDUP = 2.0  # keras / ours, jax, causal, no window
 JAX_CAUSAL_LENGTH = 4096
 MAX_FEATURE_RATIO = 1.3  # a feature's time / plain time, each mode
+# The decode section's targets.
+MAX_CACHE_SIZE_RATIO = 1.5  # eager step, full_length slots / short_length
+MIN_DECODE_SPEEDUP = 10.0  # keras-hub / ours, eager, full_length slots
+MAX_FLOOR_FACTOR = 3.0  # compiled step <= factor * floor + fixed cost
+MAX_ROLLING_SPREAD = 1.2  # rolling: slowest / fastest over the positions
+MAX_ROLLING_FLOOR_FACTOR = 2.0  # rolling step <= factor * floor + fixed
+MAX_PREFILL_RATIO = 1.3  # through a cache / without one
 # Characters per line of `report.md`: the attention table is about 130 wide.
 MARKDOWN_WIDTH = 150
 
@@ -30,26 +37,22 @@ MARKDOWN_WIDTH = 150
 # -------------------------------------------------------------------- cells
 
 
+def _result(results, unit, missing):
+    return dict(results.get(unit["id"]) or {"status": plan.NOT_RUN,
+                                            "reason": missing})
+
+
 def build_cells(config, units_by_backend, results, missing="not run"):
-    """Units and results -> the JSON document's `cells`, `decode`, `matmul`.
+    """Units and results -> the JSON document's `cells` and `matmul`.
 
     A unit without a result is `not run`, `missing` saying why.
     """
-    matmul, cells, decode = {}, {}, []
+    matmul, cells = {}, {}
     for backend, units in units_by_backend.items():
         for unit in units:
-            result = dict(results.get(unit["id"]) or {
-                "status": plan.NOT_RUN, "reason": missing})
+            result = _result(results, unit, missing)
             if unit["kind"] == "matmul":
                 matmul[backend] = {"size": unit["size"], **result}
-            elif unit["kind"] == "decode":
-                decode.append({
-                    "backend": backend, "cache": unit["cache"],
-                    "position": unit["position"],
-                    "window": (config["decode"]["window"]
-                               if unit["cache"] == "rolling" else None),
-                    **result,
-                })
             elif unit["kind"] == "attention":
                 key = (backend, unit["T"], unit["w"], unit["causal"],
                        unit["impl"])
@@ -57,7 +60,7 @@ def build_cells(config, units_by_backend, results, missing="not run"):
                 cell[unit["mode"]] = result
     for cell in cells.values():
         _derive(cell, cells, matmul)
-    return list(cells.values()), decode, matmul
+    return list(cells.values()), matmul
 
 
 def _new_cell(config, unit):
@@ -100,6 +103,127 @@ def _derive(cell, cells, matmul):
             if keras is not None and _ok(keras.get(mode)):
                 result["keras_time_over_this"] = (
                     keras[mode]["time_s"] / result["time_s"])
+
+
+def build_decode(config, units_by_backend, results, missing="not run"):
+    """The decode section's units and results -> the JSON document's
+    `decode`: `{"config", "steps", "generate", "prefill"}`, or `None` when
+    the run has none.
+
+    `steps`: a row per (backend, impl, cache, slots, position) with a
+    result per mode, `impl` `read` for the floors (`reads` slots; a rolling
+    cache's floor has position `None`). A measured result of ours gets the
+    ratios the targets read (`_derive_step`). `generate`: a row per
+    (backend, impl) with `tokens_per_s`; ours gets `over_keras_hub` (its
+    tokens/s / keras-hub's) and `same_tokens`. `prefill`: a row per
+    (backend, cache, w) with a result per mode; through a cache,
+    `over_no_cache` (its time / the same window's without a cache).
+    """
+    steps, generate, prefill = {}, {}, {}
+    for backend, units in units_by_backend.items():
+        for unit in units:
+            kind = unit["kind"]
+            if kind not in ("decode", "floor", "generate", "prefill"):
+                continue
+            result = _result(results, unit, missing)
+            if kind in ("decode", "floor"):
+                impl = unit["impl"] if kind == "decode" else "read"
+                key = (backend, impl, unit["cache"], unit["slots"],
+                       unit["position"])
+                row = steps.setdefault(key, {
+                    "backend": backend, "impl": impl,
+                    "label": plan.DECODE_LABELS[impl], "cache": unit["cache"],
+                    "slots": unit["slots"], "position": unit["position"],
+                    **({"reads": unit["reads"]} if kind == "floor" else {}),
+                })
+                row[unit["mode"]] = result
+            elif kind == "generate":
+                generate[backend, unit["impl"]] = {
+                    "backend": backend, "impl": unit["impl"],
+                    "label": plan.DECODE_LABELS[unit["impl"]],
+                    "prompt_length": unit["prompt_length"],
+                    "max_length": unit["max_length"], **result,
+                }
+            else:
+                row = prefill.setdefault((backend, unit["cache"], unit["w"]), {
+                    "backend": backend, "cache": unit["cache"],
+                    "T": unit["T"], "w": unit["w"],
+                })
+                row[unit["mode"]] = result
+    if not (steps or generate or prefill):
+        return None
+    spec = config["decode"]
+    for row in steps.values():
+        _derive_step(row, steps, spec)
+    for (backend, impl), row in generate.items():
+        theirs = generate.get((backend, "keras_hub"))
+        if impl == "ours" and _ok(row) and _ok(theirs):
+            row["over_keras_hub"] = (row["tokens_per_s"]
+                                     / theirs["tokens_per_s"])
+            row["same_tokens"] = row["generated"] == theirs["generated"]
+    for (backend, cache, window), row in prefill.items():
+        plain = prefill.get((backend, "none", window), {})
+        for mode in plan.DECODE_MODES:
+            result = row.get(mode)
+            if cache != "none" and _ok(result) and _ok(plain.get(mode)):
+                result["over_no_cache"] = (result["time_s"]
+                                           / plain[mode]["time_s"])
+    return {"config": spec, "steps": list(steps.values()),
+            "generate": list(generate.values()),
+            "prefill": list(prefill.values())}
+
+
+def _derive_step(row, steps, spec):
+    """The ratios of one of our step rows, per measured mode:
+
+    - `keras_hub_over_this`: keras-hub's time at the same cache, position
+      and mode / this time;
+    - `over_short_cache` (`full_length` slots at the first position): this
+      time / ours with `short_length` slots there;
+    - `over_first_position` (rolling): this time / the same cache's at the
+      first position;
+    - `floor_s`, `fixed_s` and `over_floor_after_fixed` = (this time -
+      fixed) / floor, where the same cache has a floor in this mode; fixed
+      = ours at `plan.FIXED_POSITION` in the same cache and mode.
+    """
+    if row["impl"] != "ours":
+        return
+    backend, cache, slots, position = (row["backend"], row["cache"],
+                                       row["slots"], row["position"])
+    first = spec["positions"][0]
+
+    def other(impl, slots=slots, position=position):
+        return steps.get((backend, impl, cache, slots, position), {})
+
+    theirs = other("keras_hub")
+    short = (other("ours", slots=spec["short_length"])
+             if cache == "full" and slots == spec["full_length"]
+             and position == first else {})
+    start = (other("ours", position=first)
+             if cache == "rolling" and position != first
+             and position in spec["positions"] else {})
+    floor = fixed = {}
+    if position != plan.FIXED_POSITION and (cache == "rolling"
+                                            or slots == spec["full_length"]):
+        floor = other("read", position=None if cache == "rolling"
+                      else position)
+        fixed = other("ours", position=plan.FIXED_POSITION)
+    for mode in plan.DECODE_MODES:
+        result = row.get(mode)
+        if not _ok(result):
+            continue
+        time_s = result["time_s"]
+        if _ok(theirs.get(mode)):
+            result["keras_hub_over_this"] = theirs[mode]["time_s"] / time_s
+        if _ok(short.get(mode)):
+            result["over_short_cache"] = time_s / short[mode]["time_s"]
+        if _ok(start.get(mode)):
+            result["over_first_position"] = time_s / start[mode]["time_s"]
+        if _ok(floor.get(mode)) and _ok(fixed.get(mode)):
+            result.update(
+                floor_s=floor[mode]["time_s"], fixed_s=fixed[mode]["time_s"],
+                over_floor_after_fixed=(time_s - fixed[mode]["time_s"])
+                / floor[mode]["time_s"])
 
 
 def build_features(units_by_backend, results, missing="not run"):
@@ -200,17 +324,20 @@ def _verdict(checks, need_all=True):
     return _status([passed for passed, _ in checks], need_all), detail
 
 
-def targets(cells, backends, features=()):
+def targets(cells, backends, features=(), decode=None):
     """The issues' targets: `[{"id", "target", "status", "detail"}]`.
 
     Status: `met`, `not met`, `n/a` (not measured in this run) or `info`
     (a number the issues ask for, without a threshold). The attention
     cells' targets where the run has cells, the features' where it has
-    feature rows (`build_features`).
+    feature rows (`build_features`), the decode section's where it has one
+    (`build_decode`).
     """
     found = [check(cells, backends) for check in _TARGETS] if cells else []
     if features:
         found.append(_feature_ratios(features, backends))
+    if decode:
+        found += [check(decode, backends) for check in _DECODE_TARGETS]
     return [{"id": key, "target": name, "status": status, "detail": detail}
             for key, name, status, detail in filter(None, found)]
 
@@ -448,6 +575,209 @@ _TARGETS = (_roofline, _keras_over_ours, _completes_on_tensorflow,
             _training_speedup, _no_regression, _jax_causal_speedup)
 
 
+# ------------------------------------------------------------ decode targets
+
+_FAILED = (plan.ERROR, plan.OUT_OF_MEMORY, plan.TIMED_OUT)
+
+
+def _step(decode, backend, impl, cache, slots, position, mode):
+    """The result of one step (or floor) in `mode`, `None` if not in the
+    run."""
+    for row in decode["steps"]:
+        if (row["backend"], row["impl"], row["cache"], row["slots"],
+                row["position"]) == (backend, impl, cache, slots, position):
+            return row.get(mode)
+    return None
+
+
+def _unmeasured(entries):
+    """`entries`: `[(label, result, ours)]`. `None` when every result is
+    measured, else `(passed, why)` for the first that is not: `False`
+    where it is ours and ran without a time (error, out of memory, timed
+    out), `None` (not measured) otherwise."""
+    for label, result, ours in entries:
+        if _ok(result):
+            continue
+        if not result:
+            return None, f"{label}: not in this run"
+        failed = ours and result.get("status") in _FAILED
+        reason = f" ({result['reason']})" if result.get("reason") else ""
+        return (False if failed else None), (
+            f"{label}: {result['status']}{reason}")
+    return None
+
+
+def _ms(result):
+    return f"{result['time_s'] * 1e3:.3g} ms"
+
+
+def _decode_cache_size(decode, backends):
+    spec = decode["config"]
+    position, full, short = (spec["positions"][0], spec["full_length"],
+                             spec["short_length"])
+    checks = []
+    for backend in backends:
+        big = _step(decode, backend, "ours", "full", full, position, "eager")
+        small = _step(decode, backend, "ours", "full", short, position,
+                      "eager")
+        problem = _unmeasured([(f"ours L={full}", big, True),
+                            (f"ours L={short}", small, True)])
+        if problem:
+            checks.append((problem[0], f"{backend}: {problem[1]}"))
+            continue
+        ratio = big["time_s"] / small["time_s"]
+        checks.append((ratio <= MAX_CACHE_SIZE_RATIO,
+                       f"{backend}: {_ms(big)} / {_ms(small)} = "
+                       f"{ratio:.2f}x"))
+    return ("decode_cache_size", f"eager step at p={position}: ours with a "
+            f"{full}-slot cache <= {MAX_CACHE_SIZE_RATIO:g}x ours with "
+            f"{short} slots", *_verdict(checks))
+
+
+def _decode_vs_keras_hub(decode, backends):
+    spec = decode["config"]
+    position, full = spec["positions"][0], spec["full_length"]
+    checks = []
+    for backend in backends:
+        ours = _step(decode, backend, "ours", "full", full, position, "eager")
+        theirs = _step(decode, backend, "keras_hub", "full", full, position,
+                       "eager")
+        problem = _unmeasured([("ours", ours, True),
+                            ("keras-hub", theirs, False)])
+        if problem:
+            checks.append((problem[0], f"{backend}: {problem[1]}"))
+            continue
+        speedup = theirs["time_s"] / ours["time_s"]
+        checks.append((speedup >= MIN_DECODE_SPEEDUP,
+                       f"{backend}: keras-hub {_ms(theirs)} / ours "
+                       f"{_ms(ours)} = {speedup:.1f}x"))
+    return ("decode_vs_keras_hub", f"eager step at p={position}, L={full}: "
+            f"ours >= {MIN_DECODE_SPEEDUP:g}x faster than keras-hub's "
+            "CachedMultiHeadAttention", *_verdict(checks))
+
+
+def _floor_checks(decode, backend, cache, slots, positions, factor):
+    """`[(passed, text)]`: in the backend's fast mode, ours at each of
+    `positions` against `factor` x floor + fixed."""
+    mode = plan.fast_mode(backend)
+    fixed = _step(decode, backend, "ours", cache, slots, plan.FIXED_POSITION,
+                  mode)
+    checks = []
+    for position in positions:
+        ours = _step(decode, backend, "ours", cache, slots, position, mode)
+        floor = _step(decode, backend, "read", cache, slots,
+                      None if cache == "rolling" else position, mode)
+        problem = _unmeasured([(f"ours p={position}", ours, True),
+                            (f"ours p={plan.FIXED_POSITION}", fixed, True),
+                            ("floor", floor, False)])
+        if problem:
+            checks.append((problem[0], f"{backend} {mode}: {problem[1]}"))
+            continue
+        ratio = ours["over_floor_after_fixed"]
+        bound = factor * floor["time_s"] + fixed["time_s"]
+        checks.append((ratio <= factor, f"{backend} {mode} p={position}: "
+                       f"{_ms(ours)} vs {factor:g} x {_ms(floor)} + "
+                       f"{_ms(fixed)} = {bound * 1e3:.3g} ms ((t - fixed) / "
+                       f"floor = {ratio:.2f})"))
+    return checks
+
+
+def _decode_floor(decode, backends):
+    spec = decode["config"]
+    position, full = spec["positions"][-1], spec["full_length"]
+    checks = []
+    for backend in backends:
+        checks += _floor_checks(decode, backend, "full", full, [position],
+                                MAX_FLOOR_FACTOR)
+    return ("decode_floor", f"compiled step (torch: eager) at p={position}, "
+            f"L={full}: <= {MAX_FLOOR_FACTOR:g} x floor + fixed cost (floor: "
+            f"reading the p + 1 valid slots once; fixed: ours at "
+            f"p={plan.FIXED_POSITION})", *_verdict(checks))
+
+
+def _rolling_decode(decode, backends):
+    spec = decode["config"]
+    window, positions = spec["window"], spec["positions"]
+    checks = []
+    for backend in backends:
+        for mode in plan.decode_modes(backend):
+            results = [_step(decode, backend, "ours", "rolling", window, p,
+                             mode) for p in positions]
+            problem = _unmeasured([(f"ours p={p}", r, True)
+                                for p, r in zip(positions, results)])
+            if problem:
+                checks.append((problem[0],
+                               f"{backend} {mode}: {problem[1]}"))
+                continue
+            times = [r["time_s"] for r in results]
+            spread = max(times) / min(times)
+            checks.append((spread <= MAX_ROLLING_SPREAD,
+                           f"{backend} {mode}: slowest / fastest "
+                           f"{spread:.2f}"))
+        checks += _floor_checks(decode, backend, "rolling", window,
+                                positions, MAX_ROLLING_FLOOR_FACTOR)
+    return ("rolling_decode", f"rolling cache w={window}: per-token time "
+            f"flat within {MAX_ROLLING_SPREAD - 1:.0%} from p={positions[0]} "
+            f"to p={positions[-1]} (each mode) and <= "
+            f"{MAX_ROLLING_FLOOR_FACTOR:g} x its floor (its {window} slots) + "
+            "fixed cost (compiled; torch: eager)", *_verdict(checks))
+
+
+def _generate_speed(decode, backends):
+    rows = {(r["backend"], r["impl"]): r for r in decode["generate"]}
+    checks = []
+    for backend in backends:
+        ours, theirs = rows.get((backend, "ours")), rows.get((backend,
+                                                              "keras_hub"))
+        problem = _unmeasured([("ours", ours, True),
+                            ("keras-hub", theirs, False)])
+        if problem:
+            checks.append((problem[0], f"{backend}: {problem[1]}"))
+            continue
+        ratio = ours["over_keras_hub"]
+        same = "same tokens" if ours["same_tokens"] else "other tokens"
+        checks.append((ratio >= 1, f"{backend}: ours "
+                       f"{ours['tokens_per_s']:.0f} / keras-hub "
+                       f"{theirs['tokens_per_s']:.0f} tokens/s = "
+                       f"{ratio:.2f}x, {same}"))
+    first = (decode["generate"] or [{}])[0]
+    return ("generate_speed", "tiny GPT-2 generate (greedy, prompt "
+            f"{first.get('prompt_length')}, max_length "
+            f"{first.get('max_length')}): ours tokens/s >= keras-hub's",
+            *_verdict(checks))
+
+
+def _prefill_ratio(decode, backends):
+    checks = []
+    for backend in backends:
+        for row in decode["prefill"]:
+            if row["backend"] != backend or row["cache"] == "none":
+                continue
+            for mode in plan.decode_modes(backend):
+                result = row.get(mode)
+                where = f"{backend} {row['cache']} w={_w(row['w'])} {mode}"
+                if _ok(result) and "over_no_cache" in result:
+                    ratio = result["over_no_cache"]
+                    checks.append((ratio <= MAX_PREFILL_RATIO,
+                                   f"{where} {ratio:.2f}x"))
+                elif _ok(result):
+                    checks.append((None, f"{where}: without a cache not "
+                                   "measured"))
+                else:
+                    failed = (result or {}).get("status") in _FAILED
+                    checks.append((False if failed else None,
+                                   f"{where}: {_short(result)}"))
+    spec = decode["config"]["prefill"]
+    return ("prefill_ratio", f"prefill T={spec['length']} through the cache "
+            f"at index 0 (rolling w={spec['window']}; full) <= "
+            f"{MAX_PREFILL_RATIO:g}x the same forward without a cache, each "
+            "mode", *_verdict(checks))
+
+
+_DECODE_TARGETS = (_decode_cache_size, _decode_vs_keras_hub, _decode_floor,
+                   _rolling_decode, _generate_speed, _prefill_ratio)
+
+
 # -------------------------------------------------------------------- table
 
 
@@ -497,7 +827,7 @@ def print_report(console, document):
     if document["cells"]:
         print_cells(console, document)
     if document["decode"]:
-        print_decode(console, document)
+        print_decode(console, document["decode"])
     if document.get("features"):
         print_features(console, document["features"])
     if document.get("targets"):
@@ -584,29 +914,155 @@ def _cell_order(cell):
             not cell["causal"], impls.index(cell["impl"]))
 
 
-def print_decode(console, document):
+def print_decode(console, decode):
+    """The decode section: a table of steps per backend, then the GPT-2
+    generate and prefill tables."""
     from rich.table import Table
+    from rich.text import Text
 
-    spec = document["config"]["decode"]
-    table = Table(title="decode: one token (T=1) at position p, ours")
-    for column in ("backend", "cache", "p", "ms/token", "cache MiB"):
+    spec = decode["config"]
+    first, short = spec["positions"][0], spec["short_length"]
+    console.print(
+        "Decode: one token (T=1) at position p through a cache, median ms "
+        "per token. compiled = jax.jit with the cache donated, "
+        "tf.function(jit_compile=True); torch runs eagerly. Ratios: kh = "
+        f"keras-hub's time / this; L{short} = this / ours with {short} "
+        f"slots at p={first}; p{first} = this / the same cache at "
+        f"p={first}; floor = (this - fixed) / floor, fixed = ours at "
+        f"p={plan.FIXED_POSITION} in the same cache and mode, floor = "
+        "reading the valid slots once (p + 1 of a full cache, the w of a "
+        "rolling one; compiled, torch eager).", soft_wrap=True,
+    )
+    footnotes = []
+    order = {"ours": 0, "keras_hub": 1, "read": 2}
+    for backend in dict.fromkeys(r["backend"] for r in decode["steps"]):
+        modes = plan.decode_modes(backend)
+        table = Table(title=f"decode, {backend}")
+        for column in ("cache", "p", "impl"):
+            table.add_column(column, justify="right" if column == "p"
+                             else "left")
+        for mode in modes:
+            table.add_column(f"{mode} ms", justify="right")
+            table.add_column(f"{mode} ratios", justify="left")
+        rows = sorted(
+            (r for r in decode["steps"] if r["backend"] == backend),
+            key=lambda r: (r["cache"] == "rolling", r["slots"] == short,
+                           r["position"] or 0, order[r["impl"]]))
+        previous = None
+        for row in rows:
+            group = (row["cache"], row["slots"])
+            if previous is not None and group != previous:
+                table.add_section()
+            previous = group
+            cells = [f"{row['cache']} {row['slots']}",
+                     "any" if row["position"] is None
+                     else str(row["position"]), row["label"]]
+            for mode in modes:
+                result = row.get(mode)
+                cells.append(_time_text(result, footnotes, scale=1e3)
+                             if result else Text("-", style="dim"))
+                cells.append(_step_ratios(result, spec))
+            table.add_row(*cells)
+        console.print(table)
+    for number, reason in enumerate(footnotes, start=1):
+        console.print(Text(f"[{number}] {reason}"), soft_wrap=True)
+    if decode["generate"]:
+        print_generate(console, decode["generate"])
+    if decode["prefill"]:
+        print_prefill(console, decode["prefill"])
+
+
+def _step_ratios(result, spec):
+    """The ratios of one step's result (see `print_decode`), or a floor's
+    bytes and rate."""
+    if not _ok(result):
+        return ""
+    if "read_bytes" in result:
+        return (f"{result['read_bytes'] / MIB:.1f} MiB, "
+                f"{result['gb_per_s']:.1f} GB/s")
+    parts = []
+    if "keras_hub_over_this" in result:
+        parts.append(f"kh {result['keras_hub_over_this']:.1f}x")
+    if "over_short_cache" in result:
+        parts.append(f"L{spec['short_length']} "
+                     f"{result['over_short_cache']:.2f}x")
+    if "over_first_position" in result:
+        parts.append(f"p{spec['positions'][0]} "
+                     f"{result['over_first_position']:.2f}x")
+    if "over_floor_after_fixed" in result:
+        parts.append(f"floor {result['over_floor_after_fixed']:.2f}")
+    return "; ".join(parts)
+
+
+def print_generate(console, rows):
+    from rich.table import Table
+    from rich.text import Text
+
+    first = rows[0]
+    table = Table(title=(
+        f"GPT-2 generate: tiny ({plan.GPT2['num_layers']} layers, "
+        f"{plan.GPT2['num_heads']} heads, E={plan.GPT2['hidden_dim']}), "
+        f"greedy, prompt {first['prompt_length']}, max_length "
+        f"{first['max_length']}; as keras-hub compiles it"))
+    for column in ("backend", "attention", "tokens/s", "ms/token",
+                   "x keras-hub", "tokens"):
         table.add_column(column, justify="left" if column in (
-            "backend", "cache") else "right")
-    previous = None
-    for entry in document["decode"]:
-        if previous is not None and entry["backend"] != previous:
-            table.add_section()
-        previous = entry["backend"]
-        cache = (f"rolling, w={spec['window']}" if entry["cache"] == "rolling"
-                 else f"full, {spec['full_length']} slots")
-        if _ok(entry):
-            table.add_row(entry["backend"], cache, str(entry["position"]),
-                          f"{entry['ms_per_token']:.3f}",
-                          f"{entry['cache_bytes'] / MIB:.1f}")
+            "backend", "attention", "tokens") else "right")
+    footnotes = []
+    for row in rows:
+        if _ok(row):
+            speed = [f"{row['tokens_per_s']:.1f}",
+                     f"{1e3 / row['tokens_per_s']:.3f}"]
         else:
-            table.add_row(entry["backend"], cache, str(entry["position"]),
-                          f"{_short(entry)}: {entry.get('reason', '')}", "-")
+            speed = [_time_text(row, footnotes), ""]
+        same = ("" if "same_tokens" not in row else
+                "same as keras-hub" if row["same_tokens"] else
+                "differ from keras-hub")
+        table.add_row(row["backend"], row["label"], *speed,
+                      (f"{row['over_keras_hub']:.2f}x"
+                       if "over_keras_hub" in row else "-"), same)
     console.print(table)
+    for number, reason in enumerate(footnotes, start=1):
+        console.print(Text(f"[{number}] {reason}"), soft_wrap=True)
+
+
+def print_prefill(console, rows):
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=(
+        f"prefill: T={rows[0]['T']} through our layer's cache at "
+        "cache_update_index=0 against the same forward without a cache, "
+        "median ms"))
+    for column in ("backend", "w", "cache", "mode", "ms", "x no cache",
+                   "path"):
+        table.add_column(column, justify="right" if column in (
+            "ms", "x no cache") else "left")
+    footnotes = []
+    # Each window's modes in turn, the baseline above its cache.
+    backends = list(dict.fromkeys(row["backend"] for row in rows))
+    entries = sorted(
+        ((row, mode) for row in rows
+         for mode in plan.decode_modes(row["backend"]) if row.get(mode)),
+        key=lambda entry: (backends.index(entry[0]["backend"]),
+                           entry[0]["w"] is None,
+                           plan.DECODE_MODES.index(entry[1]),
+                           entry[0]["cache"] != "none"))
+    previous = None
+    for row, mode in entries:
+        if previous is not None and row["backend"] != previous:
+            table.add_section()
+        previous = row["backend"]
+        result = row[mode]
+        table.add_row(
+            row["backend"], str(_w(row["w"])), row["cache"], mode,
+            _time_text(result, footnotes, scale=1e3),
+            (f"{result['over_no_cache']:.2f}x"
+             if "over_no_cache" in result else "-"),
+            result.get("path") or "")
+    console.print(table)
+    for number, reason in enumerate(footnotes, start=1):
+        console.print(Text(f"[{number}] {reason}"), soft_wrap=True)
 
 
 def print_features(console, rows):

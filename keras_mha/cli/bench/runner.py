@@ -335,16 +335,33 @@ def _compiler_key(unit):
         return (unit["backend"], unit["impl"], unit["w"], unit["causal"])
     if unit["kind"] == "feature":
         return (unit["backend"], unit["kind"], unit["feature"])
-    return (unit["backend"], unit["kind"], unit.get("cache"))
+    # The decode section: a layer, cache and mode at every position.
+    return (unit["backend"], unit["kind"]) + tuple(
+        unit.get(name) for name in ("impl", "cache", "slots", "w", "mode"))
 
 
 def describe(unit):
     if unit["kind"] == "matmul":
         return f"{unit['backend']} matmul {unit['size']}"
     if unit["kind"] == "decode":
-        return f"{unit['backend']} decode {unit['cache']} p={unit['position']}"
-    window = "none" if unit["w"] is None else unit["w"]
+        return (f"{unit['backend']} decode {plan.DECODE_LABELS[unit['impl']]} "
+                f"{unit['cache']} L={unit['slots']} p={unit['position']} "
+                f"{unit['mode']}")
+    if unit["kind"] == "floor":
+        return (f"{unit['backend']} floor {unit['cache']} L={unit['slots']} "
+                f"{unit['reads']} slots {unit['mode']}")
+    if unit["kind"] == "generate":
+        return (f"{unit['backend']} GPT-2 generate, "
+                f"{plan.DECODE_LABELS[unit['impl']]} attention")
+    if unit["kind"] == "prefill":
+        return (f"{unit['backend']} prefill T={unit['T']} w={_w(unit['w'])} "
+                f"{unit['cache']} cache {unit['mode']}")
+    window = _w(unit["w"])
     what = (plan.LABELS[unit["impl"]] if unit["kind"] == "attention"
             else f"ours, {plan.FEATURE_LABELS[unit['feature']]}")
     return (f"{unit['backend']} T={unit['T']} w={window} {what} "
             f"{unit['mode'].replace('_', '+')}")
+
+
+def _w(window):
+    return "none" if window is None else window

@@ -10,6 +10,9 @@ time-outs and replaces a worker that died.
 
 A feature unit is an attention unit of our whole layer with one feature on
 (`feature_arguments`); it records the path the layer takes like the others.
+The decode section's units (`decode`, `floor`, `generate`, `prefill`, see
+`plan.decode_units`) fill their caches with random keys and values before
+timing, so every slot a step reads holds a real token.
 
 A unit is timed after a warm-up call (compilation included, reported as
 `first_call_s`); the timed calls are `repeats` (fewer if they would take
@@ -18,6 +21,7 @@ covers the timed calls only (`memory.py`).
 """
 
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -26,6 +30,7 @@ import statistics
 import sys
 import time
 import traceback
+from unittest import mock
 
 import numpy as np
 
@@ -89,6 +94,57 @@ def segment_ids(batch, t_len, count):
     return np.broadcast_to(ids, (batch, t_len)).astype("int32")
 
 
+# ------------------------------------------------------------------- decode
+
+
+def causal_cache_mask(batch, num_slots, position):
+    """`(B, 1, S)` bool: keras-hub's mask of one token at `position`, which
+    may attend to the slots `<= position`."""
+    allowed = np.arange(num_slots) <= position  # (S,)
+    return np.broadcast_to(allowed, (batch, 1, num_slots)).copy()
+
+
+def generate_inputs(batch, prompt_length, max_length, vocabulary_size):
+    """keras-hub's `generate` inputs without a preprocessor: `token_ids`
+    `(B, max_length)` int32, a prompt of `prompt_length` tokens (ids from 1,
+    the same every run) then zeros, and `padding_mask` marking the
+    prompt."""
+    prompt = 1 + np.arange(prompt_length) % (vocabulary_size - 1)
+    token_ids = np.zeros((batch, max_length), "int32")
+    token_ids[:, :prompt_length] = prompt
+    padding_mask = np.arange(max_length)[None, :] < prompt_length
+    return {"token_ids": token_ids,
+            "padding_mask": np.broadcast_to(padding_mask,
+                                            (batch, max_length)).copy()}
+
+
+def keras_hub_missing():
+    """Why keras-hub's units cannot run, or `None`."""
+    if importlib.util.find_spec("keras_hub") is None:
+        return 'keras-hub is not installed (pip install "keras-hub>=0.32")'
+    return None
+
+
+def gpt2_backbone(attention):
+    """The tiny GPT-2 of `plan.GPT2`, its decoders' attention layers built
+    from `attention` (keras-hub's `CachedMultiHeadAttention` or ours),
+    with the same NumPy weights whichever it is."""
+    import keras_hub
+    from keras_hub.src.layers.modeling import transformer_decoder
+
+    # GPT2Backbone builds its TransformerDecoders as it is constructed;
+    # each builds its attention from this module's name.
+    with mock.patch.object(transformer_decoder, "CachedMultiHeadAttention",
+                           attention):
+        backbone = keras_hub.models.GPT2Backbone(**plan.GPT2)
+    # Weights of this scale keep greedy decoding from one repeated token,
+    # so the two attentions' tokens are a check worth making.
+    rng = np.random.default_rng(0)
+    backbone.set_weights([rng.normal(scale=0.2, size=w.shape).astype(w.dtype)
+                          for w in backbone.get_weights()])
+    return backbone
+
+
 # -------------------------------------------------------------------- units
 
 
@@ -120,8 +176,8 @@ class Worker:
         self.skip_compilers = dict(skip_compilers or {})
         if unit["kind"] == "matmul":
             return self.matmul(unit)
-        if unit["kind"] == "decode":
-            return self.decode(unit)
+        if unit["kind"] in ("decode", "floor", "generate", "prefill"):
+            return getattr(self, unit["kind"])(unit)
         # An attention or a feature unit.
         return self.attention(unit, history, memory_cap_bytes)
 
@@ -378,41 +434,184 @@ class Worker:
         result["gflops"] = 2 * size**3 / result["time_s"] / 1e9
         return result
 
-    def decode(self, unit):
-        """One decode step of our layer at `position`, cache threaded."""
+    def _decode_layer(self, unit):
+        """`(layer, cache)` of a decode unit: our layer (a rolling cache with
+        `window` slots) or keras-hub's, the cache filled with random keys
+        and values (ours: every slot a real token)."""
         import keras_mha
+        from keras_mha.attention import cache as cache_lib
 
+        config = self.config
+        batch, heads, head = (config["batch"], config["num_heads"],
+                              config["key_dim"])
+        slots = unit["slots"]
+        if unit["impl"] == "keras_hub":
+            import keras_hub
+
+            layer = self._layer(keras_hub.layers.CachedMultiHeadAttention, 1)
+            cache = self.backend.tensor(
+                self._random((batch, 2, slots, heads, head)))  # (B,2,S,N,H)
+            return layer, cache
+        rolling = unit["cache"] == "rolling"
+        layer = self._layer(keras_mha.MultiHeadAttention, 1,
+                            sliding_window=slots if rolling else None)
+        key, value = (self.backend.tensor(self._random(
+            (batch, slots, heads, head))) for _ in range(2))  # (B, S, N, H)
+        cache = cache_lib.write(layer.init_cache(batch, slots), key, value,
+                                None, 0, rolling)
+        return layer, cache
+
+    def decode(self, unit):
+        """One decode step at `position`, the cache threaded from call to
+        call. The layer, cache and compiled step of a (layer, cache, mode)
+        serve its positions in turn."""
+        missing = unit["impl"] == "keras_hub" and keras_hub_missing()
+        if missing:
+            return {"status": plan.NOT_AVAILABLE, "reason": missing}
         spec = self.config["decode"]
-        key = ("decode", unit["cache"])
+        key = ("decode", unit["impl"], unit["cache"], unit["slots"],
+               unit["mode"])
         if key != self._setup_key:
             self.drop_setup()
-            window = spec["window"] if unit["cache"] == "rolling" else None
-            layer = self._layer(keras_mha.MultiHeadAttention, 1,
-                                sliding_window=window)
-            batch = self.config["batch"]
-            # A rolling cache has `window` slots whatever the length.
-            cache = layer.init_cache(batch, spec["full_length"])
+            layer, cache = self._decode_layer(unit)
             features = self.config["num_heads"] * self.config["key_dim"]
-            token = self.backend.tensor(self._random((batch, 1, features)))
-            state = {"cache": cache}
+            token = self.backend.tensor(
+                self._random((self.config["batch"], 1, features)))
+            state = {"cache": cache, "index": None, "mask": None}
             self._setup_key = key
             self._setup = {
                 "state": state,
-                "candidates": self.backend.decode(layer, token, state),
-                "cache_bytes": int(np.prod(cache.shape))
-                * np.dtype(self.keras.backend.standardize_dtype(
-                    cache.dtype)).itemsize,
-                "slots": int(cache.shape[1]),
+                "candidates": self.backend.cached(layer, token, state,
+                                                  unit["mode"]),
+                "cache_bytes": _bytes(cache),
             }
         setup = self._setup
-        setup["state"]["index"] = self.backend.index(unit["position"])
+        state = setup["state"]
+        state["index"] = self.backend.index(unit["position"])
+        if unit["impl"] == "keras_hub":
+            state["mask"] = self.backend.tensor(causal_cache_mask(
+                self.config["batch"], unit["slots"], unit["position"]))
         result = self.time_candidates(setup["candidates"], spec["repeats"])
         # Later positions reuse what compiled and skip what failed.
         setup["candidates"] = [c for c in setup["candidates"]
                                if c[0] == result["compiler"]]
-        result.update(cache_bytes=setup["cache_bytes"], slots=setup["slots"],
+        result.update(cache_bytes=setup["cache_bytes"],
                       ms_per_token=result["time_s"] * 1e3)
         return result
+
+    def floor(self, unit):
+        """The floor of a step: the sum of the `reads` valid slots of a
+        random tensor shaped as our cache of `slots` slots, read once."""
+        from keras import ops
+
+        from keras_mha.attention import cache as cache_lib
+
+        config = self.config
+        key = ("floor", unit["cache"], unit["slots"])
+        if key != self._setup_key:
+            self.drop_setup()
+            shape = cache_lib.cache_shape(
+                config["batch"], unit["slots"], config["num_heads"],
+                config["key_dim"], config["key_dim"])  # (B, S, K, H + V + 1)
+            self._setup_key = key
+            self._setup = {"cache": self.backend.tensor(self._random(shape))}
+        cache, reads = self._setup["cache"], unit["reads"]
+
+        def total(tensor):
+            return ops.sum(tensor[:, :reads])
+
+        candidates = (self.backend.eager(lambda: total(cache))
+                      if unit["mode"] == "eager"
+                      else self.backend.core(total, (cache,), "forward"))
+        result = self.time_candidates(candidates,
+                                      self.config["decode"]["repeats"])
+        read_bytes = _bytes(cache) * reads // unit["slots"]
+        result.update(read_bytes=read_bytes,
+                      ms_per_token=result["time_s"] * 1e3,
+                      gb_per_s=read_bytes / result["time_s"] / 1e9)
+        return result
+
+    def generate(self, unit):
+        """Greedy `GPT2CausalLM.generate` of the tiny GPT-2 (keras-hub
+        compiles it: `jax.jit`, `tf.function`, torch eagerly), a prompt of
+        `prompt_length` tokens filled up to `max_length`; tokens per
+        second and the tokens generated."""
+        missing = keras_hub_missing()
+        if missing:
+            return {"status": plan.NOT_AVAILABLE, "reason": missing}
+        import keras_hub
+
+        import keras_mha
+
+        self.drop_setup()
+        attention = (keras_hub.layers.CachedMultiHeadAttention
+                     if unit["impl"] == "keras_hub"
+                     else keras_mha.CachedMultiHeadAttention)
+        model = keras_hub.models.GPT2CausalLM(gpt2_backbone(attention),
+                                              preprocessor=None)
+        model.compile(sampler="greedy")
+        prompt, length = unit["prompt_length"], unit["max_length"]
+        inputs = generate_inputs(self.config["batch"], prompt, length,
+                                 plan.GPT2["vocabulary_size"])
+        last = []
+
+        def run():
+            last[:] = [model.generate(dict(inputs), stop_token_ids=None)]
+            return last[0]
+
+        result = self.time_candidates(
+            [("keras-hub generate", run)],
+            self.config["decode"]["generate"]["repeats"])
+        tokens = self.config["batch"] * (length - prompt)
+        generated = np.asarray(
+            self.keras.ops.convert_to_numpy(last[0]["token_ids"]))
+        result.update(tokens=tokens, tokens_per_s=tokens / result["time_s"],
+                      generated=generated[0, prompt:].tolist())
+        return result
+
+    def prefill(self, unit):
+        """The prompt of `T` tokens through our layer: without a cache
+        (`layer(x, x, use_causal_mask=True)`), or through a rolling cache
+        (a window) or a full one of `T` slots at `cache_update_index=0`, a
+        Python int. Both caches share the layer and input of their
+        window."""
+        import keras_mha
+
+        config = self.config
+        key = ("prefill", unit["w"])
+        if key != self._setup_key:
+            self.drop_setup()
+            features = config["num_heads"] * config["key_dim"]
+            self._setup_key = key
+            self._setup = {
+                "layer": self._layer(keras_mha.MultiHeadAttention, unit["T"],
+                                     sliding_window=unit["w"]),
+                "x": self.backend.tensor(self._random(
+                    (config["batch"], unit["T"], features))),
+            }
+        layer, x = self._setup["layer"], self._setup["x"]
+        if unit["cache"] == "none":
+            candidates = (
+                self.backend.eager(lambda: layer(x, x, use_causal_mask=True))
+                if unit["mode"] == "eager"
+                else self.backend.layer(layer, x, True, "forward"))
+        else:
+            state = {"cache": layer.init_cache(config["batch"], unit["T"]),
+                     "index": 0, "mask": None}
+            candidates = self.backend.cached(layer, x, state, unit["mode"])
+        result = self.time_candidates(candidates,
+                                      config["decode"]["prefill"]["repeats"])
+        if unit["cache"] == "none":
+            result["path"] = layer.attention_path(
+                tuple(x.shape), tuple(x.shape), use_causal_mask=True)
+        return result
+
+
+def _bytes(tensor):
+    import keras
+
+    itemsize = np.dtype(keras.backend.standardize_dtype(tensor.dtype)).itemsize
+    return int(np.prod(tensor.shape)) * itemsize
 
 
 # --------------------------------------------------------------------- main
