@@ -191,6 +191,60 @@ class TestAgainstReference:
             assert capped.attention_path(query, query) == "explicit"
 
 
+class TestBandedImplementations:
+    """The banded path's portable core and torch's native one (ALiBi and
+    sinks as extra features) against the explicit path, with gradients."""
+
+    @pytest.mark.parametrize("causal, window", [(True, 5), (False, (6, 0))])
+    def test_against_explicit(self, rng, causal, window):
+        from keras_mha.attention import banded
+        from keras_mha.attention import explicit
+        from keras_mha.attention.spec import AttentionSpec
+        from keras_mha.attention.spec import window_sides
+
+        q = rng.normal(size=(B, T, N, H)).astype("float32")
+        k = rng.normal(size=(B, T, K, H)).astype("float32")
+        v = rng.normal(size=(B, T, K, H)).astype("float32")
+        mask = np.ones((B, T), bool)
+        mask[1, :3] = False
+        spec = AttentionSpec(
+            scale=0.4, causal=causal, window=window_sides(window, causal),
+            key_mask=keras.ops.convert_to_tensor(mask),
+            sinks=keras.ops.convert_to_tensor(
+                np.linspace(-1, 1, N).astype("float32")
+            ),
+            alibi=alibi_slopes(N),
+        )
+        expected, _ = explicit.explicit_attention(q, k, v, spec)
+        implementations = [banded.PORTABLE]
+        if banded.native_available():
+            implementations.append(banded.NATIVE)
+        for implementation in implementations:
+            got = banded.banded_attention(
+                q, k, v, spec, block_size=8, implementation=implementation
+            )
+            assert_close(got, to_numpy(expected), atol=2e-5, rtol=2e-5)
+        if BACKEND == "torch":  # gradients through the native features
+            import torch
+
+            cotangent = torch.tensor(rng.normal(size=q.shape).astype("float32"))
+            grads = {}
+            for implementation in implementations:
+                sinks = torch.linspace(-1, 1, N).requires_grad_(True)
+                query = torch.tensor(q, requires_grad=True)
+                out = banded.banded_attention(
+                    query, k, v, spec.replace(sinks=sinks), block_size=8,
+                    implementation=implementation,
+                )
+                loss = (out * cotangent).sum()
+                grads[implementation] = [
+                    g.numpy()
+                    for g in torch.autograd.grad(loss, [query, sinks])
+                ]
+            for got, want in zip(grads[banded.NATIVE], grads[banded.PORTABLE]):
+                np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
 class TestAlibiSlopes:
     @pytest.mark.parametrize("num_heads", [1, 2, 3, 6, 8, 12, 16])
     def test_papers_slopes(self, num_heads):

@@ -107,9 +107,10 @@ def banded_attention(
 
     `T` and `S` must be known when tracing; `B` may be dynamic.
     """
-    # torch's kernel takes a mask, not a soft-cap, sinks or ALiBi.
-    plain_logits = (
-        spec.soft_cap is None and spec.sinks is None and spec.alibi is None
+    # torch's kernel takes a mask, not a soft-cap; ALiBi rides along as a
+    # feature only in a causal band (see `kernels.banded_core`).
+    plain_logits = spec.soft_cap is None and (
+        spec.alibi is None or spec.causal or spec.window[1] == 0
     )
     if implementation is None:
         implementation = (
@@ -134,9 +135,9 @@ def banded_attention(
         )
     if implementation == NATIVE and not plain_logits:
         raise ValueError(
-            "`implementation='native'` has no soft-cap, sinks or ALiBi. "
-            f"Received: soft_cap={spec.soft_cap}, "
-            f"sinks={spec.sinks is not None}, alibi={spec.alibi is not None}"
+            "`implementation='native'` has no soft-cap, and ALiBi only in a "
+            f"causal band. Received: soft_cap={spec.soft_cap}, "
+            f"alibi={spec.alibi is not None}, window={spec.window}"
         )
     query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
     t_len, s_len = query.shape[1], key.shape[1]
@@ -165,7 +166,12 @@ def banded_attention(
     if implementation == NATIVE:
         import keras_mha.attention.kernels as kernels
 
-        out = kernels.banded_core(query, key, value, mask, spec.scale, band)
+        sinks = None if spec.sinks is None else ops.convert_to_tensor(
+            spec.sinks
+        )
+        out = kernels.banded_core(
+            query, key, value, mask, spec.scale, band, spec.alibi, sinks
+        )
     else:
         keep = None
         if spec.dropout:

@@ -26,10 +26,17 @@ paths that use it, on that backend.
 import functools
 
 
-def banded_core(query, key, value, mask, scale, band):
-    import torch
-
+def banded_core(query, key, value, mask, scale, band, alibi=None,
+                sinks=None):
     """`banded._portable_core` with torch's fused attention kernel.
+
+    ALiBi (causal bands) and sinks ride along as extra features, so the
+    kernel still never writes the scores. In a block, query row `r` and
+    span key `s` are `before + r - s` apart, and ALiBi's `-m·(before + r -
+    s)` is `m·s` plus a constant of the row, which the softmax ignores:
+    the queries get a feature `m_h` and the keys `s / scale`. A sink is
+    one more key per span, of value 0, whose only feature `1` meets the
+    queries' feature `sink_h / scale`.
 
     Args:
         query: `(B, n·b, N, H)`, float32 or float64.
@@ -40,11 +47,15 @@ def banded_core(query, key, value, mask, scale, band):
             with NaN or the mean of the values depending on the version.
         scale: multiplies the logits.
         band: the `banded._Band` geometry.
+        alibi: `None`, or the `N` slopes (a causal band only).
+        sinks: `None`, or the `(N,)` sink logits.
 
     Returns:
         `(B, n·b, N, V)`; rows without keys are finite and zeroed by the
         caller.
     """
+    import torch
+
     batch, padded_len, num_heads, head = query.shape
     num_kv, value_head = key.shape[2], value.shape[3]
     groups = num_heads // num_kv
@@ -62,12 +73,63 @@ def banded_core(query, key, value, mask, scale, band):
         mask = mask[:, 0].reshape(1, n, groups * b, span)  # broadcast over B·K
     else:
         mask = mask.reshape(batch * num_kv, n, groups * b, span)
+    if alibi is not None or sinks is not None:
+        before = band.query_offset - band.frame_start  # L·b
+        q, k, v, mask = _with_logit_features(
+            q, k, v, mask, scale, alibi, sinks, (batch, num_kv, groups, b),
+            before,
+        )
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale
     )  # (B·K, n, G·b, V)
     out = out.reshape(batch, num_kv, n, groups, b, value_head)
     out = out.permute(0, 2, 4, 1, 3, 5)  # (B, n, b, K, G, V)
     return out.reshape(batch, padded_len, num_heads, value_head)
+
+
+def _with_logit_features(q, k, v, mask, scale, alibi, sinks, sizes, before):
+    """`banded_core`'s operands with the ALiBi and sink features.
+
+    The keys' ALiBi feature drops `-m·(before + r)` from every key of row
+    `r`; the sink, a logit of its own, gets it back: its feature is
+    `(sink_h + m_h·(before + r)) / scale`.
+    """
+    import torch
+
+    batch, num_kv, groups, b = sizes
+    rows, n, span = q.shape[0], q.shape[1], k.shape[2]
+
+    def per_row(values):  # (K, G, b) -> (B·K, n, G·b, 1)
+        x = values.to(q.dtype).reshape(1, num_kv, 1, groups, b)
+        x = x.expand(batch, num_kv, n, groups, b)
+        return x.reshape(rows, n, groups * b, 1)
+
+    q_parts, k_parts = [q], [k]
+    slopes = None
+    if alibi is not None:
+        slopes = torch.tensor(alibi, dtype=q.dtype, device=q.device)
+        slopes = slopes.reshape(num_kv, groups, 1)
+        q_parts.append(per_row(slopes.expand(num_kv, groups, b)))
+        position = torch.arange(span, dtype=q.dtype, device=q.device) / scale
+        k_parts.append(position.reshape(1, 1, span, 1).expand(rows, n, span, 1))
+    if sinks is not None:
+        sink = sinks.to(q.dtype).reshape(num_kv, groups, 1).expand(
+            num_kv, groups, b
+        )
+        if slopes is not None:
+            row = before + torch.arange(b, dtype=q.dtype, device=q.device)
+            sink = sink + slopes * row
+        q_parts.append(per_row(sink / scale))
+        k_parts.append(k.new_zeros(rows, n, span, 1))
+    q, k = torch.cat(q_parts, dim=-1), torch.cat(k_parts, dim=-1)
+    if sinks is not None:
+        sink_key = k.new_zeros(rows, n, 1, k.shape[-1])
+        sink_key[..., -1] = 1.0
+        k = torch.cat([k, sink_key], dim=2)  # (B·K, n, span + 1, H + ...)
+        v = torch.cat([v, v.new_zeros(rows, n, 1, v.shape[-1])], dim=2)
+        visible = mask.new_ones(mask.shape[:-1] + (1,))
+        mask = torch.cat([mask, visible], dim=-1)
+    return q, k, v, mask
 
 
 def _spans(x, band):
