@@ -193,10 +193,15 @@ class TestAgainstReference:
 
 class TestBandedImplementations:
     """The banded path's portable core and torch's native one (ALiBi and
-    sinks as extra features) against the explicit path, with gradients."""
+    sinks as extra features; torch products with a soft-cap) against the
+    explicit path, with gradients."""
 
-    @pytest.mark.parametrize("causal, window", [(True, 5), (False, (6, 0))])
-    def test_against_explicit(self, rng, causal, window):
+    @pytest.mark.parametrize(
+        "causal, window, soft_cap",
+        [(True, 5, None), (False, (6, 0), None), (True, 5, 1.5),
+         (False, (4, 3), 1.5)],
+    )
+    def test_against_explicit(self, rng, causal, window, soft_cap):
         from keras_mha.attention import banded
         from keras_mha.attention import explicit
         from keras_mha.attention.spec import AttentionSpec
@@ -214,6 +219,7 @@ class TestBandedImplementations:
                 np.linspace(-1, 1, N).astype("float32")
             ),
             alibi=alibi_slopes(N),
+            soft_cap=soft_cap,
         )
         expected, _ = explicit.explicit_attention(q, k, v, spec)
         implementations = [banded.PORTABLE]

@@ -107,15 +107,22 @@ def banded_attention(
 
     `T` and `S` must be known when tracing; `B` may be dynamic.
     """
-    # torch's kernel takes a mask, not a soft-cap; ALiBi rides along as a
-    # feature only in a causal band (see `kernels.banded_core`).
-    plain_logits = spec.soft_cap is None and (
-        spec.alibi is None or spec.causal or spec.window[1] == 0
+    # torch's kernel takes ALiBi (as a feature) only in a causal band, or
+    # with a soft-cap, where its blocks run as torch products (see
+    # `kernels.banded_core`).
+    plain_logits = (
+        spec.alibi is None
+        or spec.causal
+        or spec.window[1] == 0
+        or spec.soft_cap is not None
     )
     if implementation is None:
         implementation = (
             NATIVE
-            if native_available() and not spec.dropout and plain_logits
+            if native_available()
+            and not spec.dropout
+            and plain_logits
+            and (spec.soft_cap is None or _differentiating())
             else PORTABLE
         )
     if implementation not in IMPLEMENTATIONS:
@@ -135,8 +142,8 @@ def banded_attention(
         )
     if implementation == NATIVE and not plain_logits:
         raise ValueError(
-            "`implementation='native'` has no soft-cap, and ALiBi only in a "
-            f"causal band. Received: soft_cap={spec.soft_cap}, "
+            "`implementation='native'` has ALiBi only in a causal band or "
+            f"with a soft-cap. Received: soft_cap={spec.soft_cap}, "
             f"alibi={spec.alibi is not None}, window={spec.window}"
         )
     query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
@@ -170,7 +177,8 @@ def banded_attention(
             spec.sinks
         )
         out = kernels.banded_core(
-            query, key, value, mask, spec.scale, band, spec.alibi, sinks
+            query, key, value, mask, spec.scale, band, spec.alibi, sinks,
+            spec.soft_cap,
         )
     else:
         keep = None
@@ -184,6 +192,16 @@ def banded_attention(
         has_key = ops.reshape(has_key, (-1, band.padded_len, 1, 1))
         out = masks_lib.zero_empty_rows(out, has_key)
     return ops.cast(out[:, :t_len], out_dtype)  # (B, T, N, V)
+
+
+def _differentiating():
+    """Whether torch records gradients. With a soft-cap the native core's
+    torch products beat the portable core only then (measured at
+    T = 16384, w = 128: forward+backward 1.10 s against 1.63 s, forward
+    alone 0.47 s against 0.32 s)."""
+    import torch
+
+    return torch.is_grad_enabled()
 
 
 class _Band(
