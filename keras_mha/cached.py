@@ -43,8 +43,9 @@ class CachedMultiHeadAttention(MultiHeadAttention):
       projected and written at slots `i .. i+L-1` (in place on torch and in
       eager JAX, as `MultiHeadAttention.init_cache` says), and the queries
       attend over the updated cache, reading only the slots below `i + L`,
-      a block at a time: a step's cost follows its position, not `S`
-      (returned scores and dropout read every slot on the explicit path).
+      a block at a time: a step's cost follows its position, not `S`. A
+      cache of one block or less (`decode.block_size_for()`) is read whole,
+      as are returned scores and dropout.
 
     Positions: key slot `j` holds position `j`; queries sit at `i + t` with
     an index, at `t` otherwise. The causal mask is the caller's (as in
@@ -142,8 +143,13 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             training,
             return_attention_scores,
         )
-        if limit is not None and not (return_attention_scores or spec.dropout):
+        if (
+            limit is not None
+            and not (return_attention_scores or spec.dropout)
+            and cache.shape[2] > decode.block_size_for()
+        ):
             # The position-following step: reads the slots below `limit`.
+            # A cache of one block or less is read whole (below).
             context = decode.decode_attention(
                 q, cache, spec.replace(query_offset=cache_update_index),
                 rolling=False, layout=decode.PAIR, limit=limit,

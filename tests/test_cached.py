@@ -78,6 +78,14 @@ def _random_mask(rng, query_length, key_length):
     return mask
 
 
+def _small_blocks(monkeypatch):
+    """Decode steps read caches in blocks of 4 slots on every backend."""
+    from keras_mha.attention import decode
+
+    monkeypatch.setattr(decode, "BLOCK_SIZES", {})
+    monkeypatch.setattr(decode, "BLOCK_SIZE", 4)
+
+
 class TestAgainstKerasHub:
     @pytest.mark.parametrize("scores", [False, True], ids=["out", "scores"])
     @pytest.mark.parametrize("mask", [None, "causal", "random"])
@@ -95,8 +103,13 @@ class TestAgainstKerasHub:
         )
 
     @pytest.mark.parametrize("scores", [False, True], ids=["out", "scores"])
-    def test_prefill_then_steps(self, rng, scores):
-        """Prefill 3 tokens at index 0, then one token at a time."""
+    @pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
+    def test_prefill_then_steps(self, rng, scores, blocks, monkeypatch):
+        """Prefill 3 tokens at index 0, then one token at a time: a cache of
+        one block is read whole, a longer one block by block (here blocks
+        of 4 slots of 6, the last one overlapping)."""
+        if blocks:
+            _small_blocks(monkeypatch)
         length, prompt = 6, 3
         theirs, ours = _pair(query_length=length)
         x = _inputs(rng, length)
@@ -342,9 +355,14 @@ _FEATURES = {
 
 class TestFeatures:
     @pytest.mark.parametrize("feature", list(_FEATURES))
-    def test_cached_loop_equals_reference(self, rng, feature):
+    @pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
+    def test_cached_loop_equals_reference(self, rng, feature, blocks,
+                                          monkeypatch):
         """Prefill then steps, with keras-hub's causal mask, equals the
-        float64 reference of causal attention, and so does the full pass."""
+        float64 reference of causal attention, and so does the full pass
+        (the cache read whole, and block by block)."""
+        if blocks:
+            _small_blocks(monkeypatch)
         length, prompt = 6, 3
         layer = _build(CachedMultiHeadAttention,
                        query_length=length, **_FEATURES[feature])
