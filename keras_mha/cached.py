@@ -166,18 +166,12 @@ class CachedMultiHeadAttention(MultiHeadAttention):
                 )
             context, scores = attend(q, k, v, spec)  # (B', T, N, V)
 
-        context = layout.from_sequence(context, query)  # (B, ..., N, V)
-        if gate is not None:
-            context = ops.multiply(context, gate)
-        output = self._output_dense(context)
-        results = [output]
-        if return_attention_scores:
-            if cache is None:
-                scores = layout.scores_from_sequence(scores, query, key)
-            results.append(ops.cast(scores, self.compute_dtype))
-        if cache is not None:
-            results.append(cache)
-        return results[0] if len(results) == 1 else tuple(results)
+        if return_attention_scores and cache is None:
+            scores = layout.scores_from_sequence(scores, query, key)
+        return self._project_back(
+            context, gate, query,
+            scores if return_attention_scores else None, cache,
+        )
 
     def compute_output_spec(
         self,
@@ -267,34 +261,8 @@ def _check_call(
     return_attention_scores,
 ):
     """Checks a call from shapes and dtypes alone (eager and symbolic)."""
-    shapes = {
-        "query": tuple(query.shape),
-        "value": tuple(value.shape),
-        "key": tuple(key.shape),
-    }
-    layout = checks.input_shapes(
-        shapes["query"], shapes["value"], shapes["key"],
-        layer._attention_axes,
-    )
-    if layer.built:  # inputs must fit the weights
-        for name, shape in shapes.items():
-            features = layer._feature_sizes[name]
-            if len(shape) != layer._layout.rank or shape[-1] not in (
-                None,
-                features,
-            ):
-                raise ValueError(
-                    f"`{name}` must have rank {layer._layout.rank} and "
-                    f"{features} features, as when the layer was built. "
-                    f"Received: {name}.shape={shape}"
-                )
-    if return_attention_scores and layer._flash_attention:
-        raise ValueError(
-            "Returning attention scores is not supported when flash "
-            "attention is enabled. Please disable flash attention to "
-            "access attention scores. Received: flash_attention=True, "
-            "return_attention_scores=True"
-        )
+    shapes, layout = checks.built_inputs(layer, query, value, key)
+    checks.scores_and_flash(layer, return_attention_scores)
     key_shape = shapes["key"]
     if cache is None:
         if cache_update_index is not None:

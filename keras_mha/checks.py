@@ -465,6 +465,45 @@ def cache_call(
     cache_index(index, query.shape[1], cache.shape[1], window is not None)
 
 
+def built_inputs(layer, query, value, key=None):
+    """`(shapes, layout)` of a call's inputs, checked against each other
+    and, once `layer` is built, against its weights."""
+    key = value if key is None else key
+    shapes = {
+        "query": tuple(query.shape),
+        "value": tuple(value.shape),
+        "key": tuple(key.shape),
+    }
+    layout = input_shapes(
+        shapes["query"], shapes["value"], shapes["key"],
+        layer._attention_axes,
+    )
+    if layer.built:  # inputs must fit the weights
+        for name, shape in shapes.items():
+            features = layer._feature_sizes[name]
+            if len(shape) != layer._layout.rank or shape[-1] not in (
+                None,
+                features,
+            ):
+                raise ValueError(
+                    f"`{name}` must have rank {layer._layout.rank} and "
+                    f"{features} features, as when the layer was built. "
+                    f"Received: {name}.shape={shape}"
+                )
+    return shapes, layout
+
+
+def scores_and_flash(layer, return_attention_scores):
+    """Keras's error for scores asked of flash attention."""
+    if return_attention_scores and layer._flash_attention:
+        raise ValueError(
+            "Returning attention scores is not supported when flash "
+            "attention is enabled. Please disable flash attention to "
+            "access attention scores. Received: flash_attention=True, "
+            "return_attention_scores=True"
+        )
+
+
 def call_arguments(
     layer,
     query,
@@ -488,27 +527,7 @@ def call_arguments(
     while a Functional model is built, and never as a backend error.
     """
     key = value if key is None else key
-    shapes = {
-        "query": tuple(query.shape),
-        "value": tuple(value.shape),
-        "key": tuple(key.shape),
-    }
-    layout = input_shapes(
-        shapes["query"], shapes["value"], shapes["key"],
-        layer._attention_axes,
-    )
-    if layer.built:  # inputs must fit the weights
-        for name, shape in shapes.items():
-            features = layer._feature_sizes[name]
-            if len(shape) != layer._layout.rank or shape[-1] not in (
-                None,
-                features,
-            ):
-                raise ValueError(
-                    f"`{name}` must have rank {layer._layout.rank} and "
-                    f"{features} features, as when the layer was built. "
-                    f"Received: {name}.shape={shape}"
-                )
+    shapes, layout = built_inputs(layer, query, value, key)
     for name, mask, shape in (
         ("query_mask", query_mask, shapes["query"]),
         ("value_mask", value_mask, shapes["value"]),
@@ -534,13 +553,7 @@ def call_arguments(
             "`use_causal_mask=True` needs a single attention axis. "
             f"Received: attention_axes={layer._attention_axes}"
         )
-    if return_attention_scores and layer._flash_attention:
-        raise ValueError(
-            "Returning attention scores is not supported when flash "
-            "attention is enabled. Please disable flash attention to "
-            "access attention scores. Received: flash_attention=True, "
-            "return_attention_scores=True"
-        )
+    scores_and_flash(layer, return_attention_scores)
     if cache is not None or cache_update_index is not None:
         cache_call(
             query, value, key, cache, cache_update_index,

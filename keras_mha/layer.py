@@ -392,17 +392,24 @@ class MultiHeadAttention(keras.layers.Layer):
                 q, k, v, spec, cache, cache_update_index, self.rolling_cache
             )
 
-        context = layout.from_sequence(context, query)  # (B, ..., N, V)
+        if return_attention_scores:
+            scores = layout.scores_from_sequence(scores, query, key)
+        else:
+            scores = None
+        return self._project_back(context, gate, query, scores, new_cache)
+
+    def _project_back(self, context, gate, query, scores=None, cache=None):
+        """`(B', T, N, V)` context -> the call's results: the output, then
+        the scores (in the returned layout) and the cache when given."""
+        context = self._layout.from_sequence(context, query)  # (B, ..., N, V)
         if gate is not None:
             context = ops.multiply(context, gate)
         # The output carries the query's Keras mask: `Layer.__call__` sets it.
-        output = self._output_dense(context)
-        results = [output]
-        if return_attention_scores:
-            scores = layout.scores_from_sequence(scores, query, key)
+        results = [self._output_dense(context)]
+        if scores is not None:
             results.append(ops.cast(scores, self.compute_dtype))
-        if new_cache is not None:
-            results.append(new_cache)
+        if cache is not None:
+            results.append(cache)
         return results[0] if len(results) == 1 else tuple(results)
 
     def attention_path(
