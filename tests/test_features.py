@@ -19,6 +19,7 @@ from util import reference
 from util import to_numpy
 
 import keras_mha
+from keras_mha.attention import blocked
 from keras_mha.attention import dispatch
 from keras_mha.attention.logits import alibi_slopes
 
@@ -48,10 +49,16 @@ LAYER_FEATURES = {
 
 # (use_causal_mask, sliding_window) and the paths that can serve them.
 MASKS = {
-    "causal": (True, None, ("explicit", "fused", "triangular")),
+    "causal": (True, None, ("explicit", "fused", "triangular", "blocked")),
     "causal_window": (True, (5, 0), ("explicit", "fused", "banded")),
     "asymmetric": (False, (4, 2), ("explicit", "fused", "banded")),
 }
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    """Blocks of 8 on the blocked path: `T = 24` is three of them."""
+    monkeypatch.setattr(blocked, "_SMALL_BLOCK", 8)
 
 
 def _inputs(rng):
@@ -155,7 +162,8 @@ class TestAgainstReference:
             layer = _layer(x, "all", window)
             expected, _ = reference(layer, x, x, value_mask=mask,
                                     use_causal_mask=True)
-            for path in ("explicit", "fused", "banded", "triangular"):
+            for path in ("explicit", "fused", "banded", "triangular",
+                         "blocked"):
                 got = _run(layer, x, path, value_mask=mask, use_causal_mask=True)
                 assert np.all(np.isfinite(got))
                 assert_close(got, expected, atol=2e-5, rtol=2e-5)

@@ -92,8 +92,13 @@ class TestLayerOnTheTriangle:
     def test_rule(self):
         at = dispatch.TRIANGULAR_MIN_LENGTH
 
+        # With a dense bias, which the blocked path does not take.
+        bias = np.zeros((1, 1, 1, at), "float32")
+
         def path(t_len=at, s_len=at, backend="jax", **fields):
-            spec = AttentionSpec(scale=1.0, **{"causal": True, **fields})
+            spec = AttentionSpec(
+                scale=1.0, **{"causal": True, "bias": bias, **fields}
+            )
             shapes = dispatch.Shapes(t_len, s_len, 4, 4)
             return dispatch.choose_path(spec, shapes, backend=backend)
 

@@ -7,6 +7,8 @@ masks from the spec with the position rule of `masks.py`:
 - `explicit.py`: materialized `(B, N, T, S)` weights (the reference);
 - `fused.py`: `keras.ops.dot_product_attention`;
 - `banded.py`: sliding windows in O(T·w);
+- `blocked.py`: causal self-attention in O(T) memory (an online softmax
+  over key blocks, FlashAttention-2's recurrence);
 - `triangular.py`: causal self-attention without the upper triangle;
 - `cache.py`: the key/value cache that decoding reads and writes, and
   `decode.py`: attention over the cache itself, reading only what a step
@@ -19,6 +21,7 @@ Nothing here imports the layer or the command line.
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import dispatch
 from keras_mha.attention.banded import banded_attention
+from keras_mha.attention.blocked import blocked_attention
 from keras_mha.attention.decode import decode_attention
 from keras_mha.attention.explicit import explicit_attention
 from keras_mha.attention.fused import fused_attention
@@ -47,6 +50,8 @@ def attend(query, key, value, spec):
         return fused_attention(query, key, value, spec), None
     if path == dispatch.BANDED:
         return banded_attention(query, key, value, spec), None
+    if path == dispatch.BLOCKED:
+        return blocked_attention(query, key, value, spec), None
     return triangular_attention(query, key, value, spec), None
 
 

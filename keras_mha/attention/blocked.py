@@ -1,0 +1,425 @@
+"""The blocked path: causal self-attention in O(T) memory.
+
+FlashAttention-2's recurrence in `keras.ops`. Queries and keys are cut into
+`n` blocks of `b` positions. Query block `i` reads key blocks `0 .. i`
+with an online softmax (a running row maximum `m`, denominator `l` and
+weighted sum), so of the `(T, T)` scores only one `(b, b)` block per head
+exists at a time, and the blocks above the diagonal are never computed.
+Only the diagonal block needs the causal mask.
+
+    query blocks   (n, B, K, b, G, H)    grouped heads ride along as rows
+    key blocks     (n, B, K, b, H)
+    scores         (B, K, b, G, b)       one pair of blocks
+
+The backward pass is a custom gradient that keeps only the output and each
+row's log-sum-exp, and recomputes the block weights from them: one sweep
+over the query blocks for their gradient, one over the key blocks for the
+keys' and values' (each accumulates its own blocks, so no sweep writes
+into another's). Memory is O(B·N·T) forward and backward.
+
+The outer sweep is `scan` (JAX) or `map`, the inner one a `fori_loop`
+whose trip count is the block index: one trace under `jax.jit` and
+`tf.function`, whatever `T`.
+"""
+
+import collections
+import functools
+
+import keras
+from keras import ops
+
+import keras_mha.attention.explicit as explicit
+import keras_mha.attention.logits as logits
+
+# Positions per block, queries and keys (see `default_block_size`).
+_SMALL_BLOCK = 256
+_LARGE_BLOCK = 512
+_LARGE_FROM = 4096
+
+
+def default_block_size(length):
+    """`b` for `T = length`: 256, or 512 from `T = 4096`.
+
+    Measured on the 2-core CPU (B = 1, N = 8, H = 64, causal, forward):
+    at T = 4096, 512 took 136 ms on JAX against 198 for 256 (213 against
+    229 on TensorFlow with XLA); at T = 16384, 1.9 s against 2.9 s, and
+    1024 was slower again (3.2 s); at T = 1024 and 2048, 256 was even or
+    better on TensorFlow.
+    """
+    return _LARGE_BLOCK if length >= _LARGE_FROM else _SMALL_BLOCK
+
+_Geometry = collections.namedtuple(
+    "_Geometry",
+    [
+        "block",  # b
+        "num_blocks",  # n
+        "soft_cap",  # None or c
+        "alibi",  # None or the slopes, a tuple of N floats
+        "use_sinks",
+        "query_mask",  # whether each has a per-token tensor
+        "key_mask",
+        "segments",
+    ],
+)
+
+
+def blocked_attention(query, key, value, spec, block_size=None):
+    """Causal self-attention as `spec` asks, in O(B·N·T) memory.
+
+    The numbers are those of `explicit.explicit_attention`: a row with no
+    allowed key (padding, segments) gets an output of 0 and gradients of
+    0; float16/bfloat16 are computed in float32 and cast back.
+
+    Args:
+        query: `(B, T, N, H)`.
+        key: `(B, T, K, H)`, `N % K == 0`.
+        value: `(B, T, K, V)`.
+        spec: a causal `AttentionSpec` without a window, dense mask or
+            bias, dropout or cache (see `dispatch.can_serve`); its scale,
+            soft-cap, ALiBi, sinks, padding masks and segment ids apply
+            block by block.
+        block_size: `b`; `default_block_size(T)` if `None`.
+
+    Returns:
+        `(B, T, N, V)` in the query's dtype.
+
+    `T` must be static; `B` may be dynamic.
+    """
+    length = query.shape[1]
+    if length is None or length != key.shape[1]:
+        raise ValueError(
+            "`blocked_attention` needs static, equal query and key "
+            f"lengths. Received: query.shape={query.shape}, "
+            f"key.shape={key.shape}"
+        )
+    out_dtype = query.dtype
+    query, key, value = explicit.upcast(query, key, value)
+    batch = ops.shape(query)[0]
+    num_heads, num_kv = query.shape[2], key.shape[2]
+    groups = num_heads // num_kv
+    block = min(block_size or default_block_size(length), max(1, length))
+    num_blocks = -(-length // block)
+    padded = num_blocks * block
+    geometry = _Geometry(
+        block=block,
+        num_blocks=num_blocks,
+        soft_cap=spec.soft_cap,
+        alibi=None if spec.alibi is None else tuple(spec.alibi),
+        use_sinks=spec.sinks is not None,
+        query_mask=spec.query_mask is not None,
+        key_mask=spec.key_mask is not None,
+        segments=spec.segment_ids is not None,
+    )
+    q = ops.multiply(query, ops.cast(spec.scale, query.dtype))
+    q = ops.reshape(
+        _pad(q, padded - length),
+        (batch, num_blocks, block, num_kv, groups, query.shape[3]),
+    )
+    q = ops.transpose(q, (1, 0, 3, 2, 4, 5))  # (n, B, K, b, G, H)
+    k, v = (_key_blocks(_pad(x, padded - length), geometry)
+            for x in (key, value))  # (n, B, K, b, H|V)
+    if spec.sinks is None:
+        sinks = ops.zeros((num_kv, groups), q.dtype)
+    else:
+        sinks = ops.reshape(ops.cast(spec.sinks, q.dtype), (num_kv, groups))
+    rows, keys = _token_blocks(spec, geometry, padded - length)
+    out = _attention(geometry)(q, k, v, sinks, *rows, *keys)
+    # out: (n, B, K, b, G, V)
+    out = ops.transpose(out, (1, 0, 3, 2, 4, 5))  # (B, n, b, K, G, V)
+    out = ops.reshape(out, (batch, padded, num_heads, value.shape[3]))
+    return ops.cast(out[:, :length], out_dtype)  # (B, T, N, V)
+
+
+def _pad(x, after):
+    if not after:
+        return x
+    return ops.pad(x, [(0, 0), (0, after)] + [(0, 0)] * (len(x.shape) - 2))
+
+
+def _key_blocks(x, geometry):
+    """`(B, n·b, K, X)` -> `(n, B, K, b, X)`."""
+    x = ops.reshape(
+        x, (-1, geometry.num_blocks, geometry.block, x.shape[2], x.shape[3])
+    )
+    return ops.transpose(x, (1, 0, 3, 2, 4))
+
+
+def _token_blocks(spec, geometry, pad):
+    """The call's per-token tensors in blocks `(n, B, b)`: `(rows, keys)`.
+
+    `rows`: the query mask and the query ids, `keys`: the key mask and the
+    key ids, each only where the geometry says the call has it. With ids
+    and no key mask, a key mask marks the padding (whose id would match).
+    """
+    def blocks(x, dtype):
+        x = _pad(ops.cast(x, dtype), pad)
+        x = ops.reshape(x, (-1, geometry.num_blocks, geometry.block))
+        return ops.transpose(x, (1, 0, 2))
+
+    rows, keys = [], []
+    if geometry.query_mask:
+        rows.append(blocks(spec.query_mask, "bool"))
+    if geometry.key_mask:
+        keys.append(blocks(spec.key_mask, "bool"))
+    elif geometry.segments:
+        keys.append(blocks(ops.ones_like(spec.key_segment_ids, "bool"),
+                           "bool"))
+    if geometry.segments:
+        rows.append(blocks(spec.segment_ids, "int32"))
+        keys.append(blocks(spec.key_segment_ids, "int32"))
+    return tuple(rows), tuple(keys)
+
+
+def _unpack(geometry, rows, keys):
+    """`(query_mask, query_ids, key_mask, key_ids)`, `None` where absent."""
+    rows, keys = list(rows), list(keys)
+    query_mask = rows.pop(0) if geometry.query_mask else None
+    key_mask = keys.pop(0) if geometry.key_mask or geometry.segments else None
+    query_ids = rows.pop(0) if geometry.segments else None
+    key_ids = keys.pop(0) if geometry.segments else None
+    return query_mask, query_ids, key_mask, key_ids
+
+
+def _has_token_masks(geometry):
+    return geometry.query_mask or geometry.key_mask or geometry.segments
+
+
+def _at(x, index):
+    """`x[index]` along the leading axis, for a traced `index`."""
+    shape = list(ops.shape(x))
+    start = [index] + [0] * (len(shape) - 1)
+    return ops.squeeze(ops.slice(x, start, [1] + shape[1:]), 0)
+
+
+def _pick(tensors, index):
+    return tuple(_at(x, index) for x in tensors)
+
+
+def _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal, sinks):
+    """The modified, masked logits of query block `i` over key block `j`,
+    `(B, K, b, G, b)`, and `tanh(logits / c)` when there is a soft-cap
+    (its derivative needs it)."""
+    s = ops.einsum("bkqgh,bksh->bkqgs", q_i, k_j)  # (B, K, b, G, b)
+    tanh = None
+    if geometry.soft_cap is not None:
+        cap = ops.cast(geometry.soft_cap, s.dtype)
+        tanh = ops.tanh(ops.divide(s, cap))
+        s = ops.multiply(cap, tanh)
+    b = geometry.block
+    offsets = ops.subtract(
+        ops.reshape(ops.arange(b, dtype="int32"), (b, 1)),
+        ops.reshape(ops.arange(b, dtype="int32"), (1, b)),
+    )  # (b, b): row - column within the blocks
+    if geometry.alibi is not None:
+        distance = ops.add(offsets, ops.cast((i - j) * b, "int32"))
+        slopes = ops.reshape(
+            ops.convert_to_tensor(geometry.alibi, s.dtype),
+            (1, sinks.shape[0], 1, sinks.shape[1], 1),
+        )  # (1, K, 1, G, 1)
+        s = ops.add(s, logits.alibi(slopes, distance[:, None, :], s.dtype))
+    mask = None
+    if diagonal:
+        mask = ops.greater_equal(offsets, 0)[None, None, :, None, :]
+    query_mask, query_ids, key_mask, key_ids = _unpack(geometry, rows, keys)
+    for extra in (
+        None if query_mask is None else query_mask[:, None, :, None, None],
+        None if key_mask is None else key_mask[:, None, None, None, :],
+        None if query_ids is None else ops.equal(
+            query_ids[:, None, :, None, None], key_ids[:, None, None, None, :]
+        ),
+    ):
+        if extra is not None:
+            mask = extra if mask is None else ops.logical_and(mask, extra)
+    if mask is not None:
+        s = ops.where(mask, s, ops.cast(logits.MASKED_LOGIT, s.dtype))
+    return s, tanh
+
+
+def _loop_blocks(body, constants, xs):
+    """`body(constants, x)[1]` for each slice `x` of `xs` along axis 0,
+    stacked.
+
+    `scan` on JAX, whose trace is cached on the function object: the
+    callers keep one `body` per geometry, so eager calls do not retrace
+    and recompile the loop. `map` elsewhere (Keras's TensorFlow `scan`
+    wants outputs shaped like the carry).
+    """
+    if keras.backend.backend() == "jax":
+        return ops.scan(body, constants, xs)[1]
+    return ops.map(lambda x: body(constants, x)[1], xs)
+
+
+@functools.lru_cache(maxsize=64)
+def _attention(geometry):
+    """The custom-gradient attention of one geometry: `(q, k, v, sinks,
+    *tokens) -> out`, all in blocks."""
+    forward, query_grads, key_grads = (
+        _forward_body(geometry), _query_grad_body(geometry),
+        _key_grad_body(geometry),
+    )
+    blocks = geometry.num_blocks
+
+    def attention(q, k, v, sinks, *tokens):
+        count = len(tokens) - int(geometry.key_mask or geometry.segments) \
+            - int(geometry.segments)
+        rows, keys = tokens[:count], tokens[count:]
+        indices = ops.arange(blocks, dtype="int32")
+        out, lse, has_key = _loop_blocks(
+            forward, (k, v, sinks, keys), (indices, q, k, v, rows, keys)
+        )  # (n, B, K, b, G, V), (n, B, K, b, G, 1) twice
+
+        def grad(*args, upstream=None):
+            if upstream is None:
+                (upstream,) = args
+            d_out = upstream
+            if _has_token_masks(geometry):  # zeroed rows pass nothing back
+                d_out = ops.where(has_key, d_out, ops.zeros_like(d_out))
+            # FlashAttention-2's D: each row's dO·O, (n, B, K, b, G, 1).
+            delta = ops.sum(ops.multiply(d_out, out), axis=-1, keepdims=True)
+            d_q = _loop_blocks(
+                query_grads, (k, v, sinks, keys),
+                (indices, q, k, v, d_out, lse, delta, rows, keys),
+            )
+            d_k, d_v = _loop_blocks(
+                key_grads, (q, d_out, lse, delta, sinks, rows),
+                (indices, k, v, keys),
+            )
+            d_sinks = ops.zeros_like(sinks)
+            if geometry.use_sinks:
+                # The sink is a key of value 0: dL/ds = -sum P(sink)·D.
+                p_sink = ops.exp(ops.subtract(_sink_logits(sinks), lse))
+                d_sinks = ops.negative(ops.sum(
+                    ops.multiply(p_sink, delta), axis=(0, 1, 3, 5)
+                ))  # (K, G)
+            return (d_q, d_k, d_v, d_sinks) + (None,) * len(tokens)
+
+        return out, grad
+
+    if keras.backend.backend() == "numpy":  # inference only
+        return lambda *args: attention(*args)[0]
+    return ops.custom_gradient(attention)
+
+
+def _sink_logits(sinks):
+    """`(K, G)` -> `(1, K, 1, G, 1)`."""
+    num_kv, groups = sinks.shape
+    return ops.reshape(sinks, (1, num_kv, 1, groups, 1))
+
+
+def _forward_body(geometry):
+    """Query block `i` over key blocks `0 .. i`: `(out, lse, has_key)`."""
+
+    def body(constants, x):
+        k, v, sinks, keys_all = constants
+        i, q_i, k_i, v_i, rows, keys_i = x
+
+        def update(state, k_j, v_j, j, keys_j, diagonal):
+            m, l, acc = state
+            s, _ = _scores(geometry, q_i, k_j, i, j, rows, keys_j, diagonal,
+                           sinks)
+            m_new = ops.maximum(m, ops.max(s, axis=-1, keepdims=True))
+            correction = ops.exp(ops.subtract(m, m_new))
+            p = ops.exp(ops.subtract(s, m_new))  # (B, K, b, G, b)
+            l = ops.add(ops.multiply(l, correction),
+                        ops.sum(p, axis=-1, keepdims=True))
+            acc = ops.add(ops.multiply(acc, correction),
+                          ops.einsum("bkqgs,bksv->bkqgv", p, v_j))
+            return m_new, l, acc
+
+        stats = ops.shape(q_i)[:-1] + (1,)  # (B, K, b, G, 1)
+        state = (
+            ops.full(stats, logits.MASKED_LOGIT, q_i.dtype),
+            ops.zeros(stats, q_i.dtype),
+            ops.zeros(ops.shape(q_i)[:-1] + (v.shape[-1],), q_i.dtype),
+        )
+        state = update(state, k_i, v_i, i, keys_i, True)
+        m, l, acc = ops.fori_loop(
+            0, i,
+            lambda j, state: update(state, _at(k, j), _at(v, j), j,
+                                    _pick(keys_all, j), False),
+            state,
+        )
+        # Masked logits are MASKED_LOGIT: a row whose maximum is still that
+        # saw no key.
+        has_key = ops.greater(m, logits.MASKED_LOGIT / 2)
+        if geometry.use_sinks:
+            sink = _sink_logits(sinks)
+            top = ops.maximum(m, sink)
+            correction = ops.exp(ops.subtract(m, top))
+            l = ops.add(ops.multiply(l, correction),
+                        ops.exp(ops.subtract(sink, top)))
+            acc = ops.multiply(acc, correction)
+            m = top
+        out = ops.divide(acc, l)
+        if _has_token_masks(geometry):
+            out = ops.where(has_key, out, ops.zeros_like(out))
+        return constants, (out, ops.add(m, ops.log(l)), has_key)
+
+    return body
+
+
+def _query_grad_body(geometry):
+    """`dq` of query block `i`, over key blocks `0 .. i`."""
+
+    def body(constants, x):
+        k, v, sinks, keys_all = constants
+        i, q_i, k_i, v_i, do_i, lse_i, delta_i, rows, keys_i = x
+
+        def update(d_q, k_j, v_j, j, keys_j, diagonal):
+            d_s, _ = _score_grads(geometry, q_i, k_j, v_j, i, j, rows,
+                                  keys_j, diagonal, sinks, do_i, lse_i,
+                                  delta_i)
+            return ops.add(d_q, ops.einsum("bkqgs,bksh->bkqgh", d_s, k_j))
+
+        d_q = update(ops.zeros_like(q_i), k_i, v_i, i, keys_i, True)
+        d_q = ops.fori_loop(
+            0, i,
+            lambda j, d_q: update(d_q, _at(k, j), _at(v, j), j,
+                                  _pick(keys_all, j), False),
+            d_q,
+        )
+        return constants, d_q
+
+    return body
+
+
+def _key_grad_body(geometry):
+    """`(dk, dv)` of key block `j`, over query blocks `j .. n - 1`."""
+    blocks = geometry.num_blocks
+
+    def body(constants, x):
+        q, d_out, lse, delta, sinks, rows_all = constants
+        j, k_j, v_j, keys = x
+
+        def update(grads, i, diagonal):
+            d_k, d_v = grads
+            q_i, do_i = _at(q, i), _at(d_out, i)
+            d_s, p = _score_grads(
+                geometry, q_i, k_j, v_j, i, j, _pick(rows_all, i), keys,
+                diagonal, sinks, do_i, _at(lse, i), _at(delta, i),
+            )
+            d_v = ops.add(d_v, ops.einsum("bkqgs,bkqgv->bksv", p, do_i))
+            d_k = ops.add(d_k, ops.einsum("bkqgs,bkqgh->bksh", d_s, q_i))
+            return d_k, d_v
+
+        grads = update((ops.zeros_like(k_j), ops.zeros_like(v_j)), j, True)
+        grads = ops.fori_loop(
+            j + 1, blocks, lambda i, grads: update(grads, i, False), grads
+        )
+        return constants, grads
+
+    return body
+
+
+def _score_grads(geometry, q_i, k_j, v_j, i, j, rows, keys, diagonal, sinks,
+                 do_i, lse_i, delta_i):
+    """`(dS, P)` of block pair `(i, j)`: the weights recomputed from the
+    saved log-sum-exp, and the gradient of the logits `q·k` before the
+    soft-cap, `dS = P ⊙ (dO·Vᵀ - D)`, times `1 - tanh²` under a cap."""
+    s, tanh = _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal, sinks)
+    p = ops.exp(ops.subtract(s, lse_i))  # (B, K, b, G, b)
+    d_p = ops.einsum("bkqgv,bksv->bkqgs", do_i, v_j)
+    d_s = ops.multiply(p, ops.subtract(d_p, delta_i))
+    if tanh is not None:
+        d_s = ops.multiply(d_s, ops.subtract(1.0, ops.square(tanh)))
+    return d_s, p
