@@ -1,7 +1,8 @@
 """`keras-mha bench`: the quick matrix end to end, and the parts around it.
 
 The end-to-end tests run `python -m keras_mha bench --quick --no-features
---no-decode`, `--quick --features` and `--quick --decode` on the backend
+--no-decode` (the matrix, the small-model cells and the fit step),
+`--quick --features` and `--quick --decode` on the backend
 the suite runs on (a worker process per backend, so it takes a while: it
 compiles every implementation twice). NumPy is not benchmarked (no
 compiler, no autodiff): there the command must say so in one line.
@@ -14,6 +15,7 @@ import re
 import subprocess
 import sys
 
+import keras
 import pytest
 from conftest import BACKEND
 
@@ -64,18 +66,25 @@ def _check_outcome(outcome, where):
 def test_quick_reports_every_cell(quick_run):
     _, document, _ = quick_run
     config = plan.load_config(None, "quick")
-    cells = {(c["backend"], c["T"], c["w"], c["causal"], c["impl"]): c
-             for c in document["cells"]}
+    cells = {(c["backend"], c["B"], c["T"], c["w"], c["causal"],
+              c["impl"]): c for c in document["cells"]}
+    small = config["small"]
     expected = set(itertools.product(
-        [BACKEND], config["lengths"], config["windows"], config["causal"],
-        plan.implementations_for(BACKEND, config),
+        [BACKEND], [config["batch"]], config["lengths"], config["windows"],
+        config["causal"],
+        plan.implementations_for(BACKEND, config["implementations"]),
+    )) | set(itertools.product(
+        [BACKEND], [small["batch"]], small["lengths"], small["windows"],
+        config["causal"],
+        plan.implementations_for(BACKEND, small["implementations"]),
     ))
     assert set(cells) == expected
+    assert small["batch"] != config["batch"]  # the quick run has both
     for key, cell in cells.items():
         for mode in config["modes"]:
             _check_outcome(cell[mode], (key, mode))
         if cell["impl"] == "ours":  # the layer's own answer, per cell
-            shape = (config["batch"], cell["T"],
+            shape = (cell["B"], cell["T"],
                      config["num_heads"] * config["key_dim"])
             layer = keras_mha.MultiHeadAttention(
                 config["num_heads"], config["key_dim"],
@@ -85,10 +94,20 @@ def test_quick_reports_every_cell(quick_run):
             assert cell["forward"]["path"] == path, (key, cell)
             assert (cell["forward"]["complexity"] == "banded") == (
                 path == dispatch.BANDED), (key, cell)
-        # The small matrix is far from every cap: our layer must run.
+        # The small matrix is far from every cap: our layer must run, and
+        # every cell has the projection rate of its B and T.
         if cell["impl"] in ("ours", "ours_core", "keras"):
             assert cell["forward"]["status"] == plan.OK, (key, cell)
             assert cell["forward_backward"]["status"] == plan.OK, (key, cell)
+            assert cell["projection_gflops"] > 0, key
+            assert cell["forward"]["fraction_of_matmul"] > 0, key
+        if cell["scope"] == "layer":
+            forward = cell["forward"]
+            assert forward["roofline_s"] == pytest.approx(
+                cell["layer_flops_forward"]
+                / (cell["projection_gflops"] * 1e9))
+            assert forward["fraction_of_matmul"] == pytest.approx(
+                1 / forward["time_over_roofline"])
     if BACKEND == "torch":
         flex = [c for c in cells.values() if c["impl"] == "flex_attention"]
         assert all(c["forward_backward"]["status"] == plan.NOT_AVAILABLE
@@ -98,10 +117,29 @@ def test_quick_reports_every_cell(quick_run):
 
 
 @pytest.mark.training
-def test_quick_reports_matmul_and_no_other_section(quick_run):
+def test_quick_reports_matmul_fit_and_no_other_section(quick_run):
     _, document, _ = quick_run
-    assert document["matmul"][BACKEND]["status"] == plan.OK
-    assert document["matmul"][BACKEND]["gflops"] > 0
+    config = plan.load_config(None, "quick")
+    rates = document["matmul"][BACKEND]
+    assert rates["square"]["status"] == plan.OK
+    assert rates["square"]["gflops"] > 0
+    features = config["num_heads"] * config["key_dim"]
+    assert [(r["B"], r["T"], r["shape"]) for r in rates["projections"]] == [
+        (1, 256, [256, features, features]),
+        (1, 512, [512, features, features]),
+        (8, 256, [2048, features, features])]
+    assert all(r["status"] == plan.OK and r["gflops"] > 0
+               for r in rates["projections"])
+    fit = {row["impl"]: row for row in document["fit"]}
+    assert set(fit) == set(plan.FIT_IMPLS)
+    for row in fit.values():
+        assert row["status"] == plan.OK, row
+        assert (row["T"], row["w"], row["layers"]) == (256, 32, 1)
+        assert row["compiler"] in ("jit_compile=True", "jit_compile=False")
+        assert isinstance(row["jit_compile"], bool)
+        assert row["first_call_s"] > 0
+    assert fit["ours"]["keras_time_over_this"] == pytest.approx(
+        fit["keras"]["time_s"] / fit["ours"]["time_s"])
     assert document["features"] == []  # --no-features
     assert document["decode"] is None  # --no-decode
 
@@ -115,12 +153,17 @@ def test_quick_writes_plot_table_and_targets(quick_run):
     assert "targets" in result.stdout
     assert "Traceback" not in result.stderr
     markdown = (out / "report.md").read_text(encoding="utf-8")
-    assert "ours core" in markdown
-    assert "targets" in markdown
+    for text in (result.stdout, markdown):
+        assert "ours core" in text and "targets" in text
+        assert "projections (B*T, 512) @ (512, 512)" in text
+        assert "Fit: one train_on_batch step" in text
     assert document["flops_definition"] == plan.FLOPS_DEFINITION
     assert document["peak_memory"]["method"]
     assert {t["status"] for t in document["targets"]} <= {
         "met", "not met", "n/a", "info"}
+    found = [t["id"] for t in document["targets"]]
+    assert found[-2:] == ["no_regression", "fit_speed"]
+    assert {"roofline", "no_window_causal", "no_window_long"} <= set(found)
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +215,11 @@ def test_features_run_reports_every_feature_with_ratios(features_run):
                 ratio <= report.MAX_FEATURE_RATIO)
         assert row.get("target", "baseline") in {"met", "not met",
                                                  "baseline"}
-    # The feature cells only: no matmul, attention cells, decode or plot.
+    # The feature cells only: no matmul, attention cells, fit, decode or
+    # plot.
     assert document["what"] == "keras-mha bench --features"
     assert document["cells"] == [] and document["decode"] is None
+    assert document["fit"] == []
     assert [t["id"] for t in document["targets"]] == ["feature_ratios"]
     assert not (out / "bench.png").exists()
     markdown = (out / "report-features.md").read_text(encoding="utf-8")
@@ -287,7 +332,7 @@ def test_decode_run_reports_generate_prefill_and_targets(decode_run):
     # The decode cells only: no matmul, attention cells, features or plot.
     assert document["what"] == "keras-mha bench --decode"
     assert document["cells"] == [] and document["features"] == []
-    assert document["matmul"] == {}
+    assert document["matmul"] == {} and document["fit"] == []
     assert [t["id"] for t in document["targets"]] == [
         "decode_cache_size", "decode_vs_keras_hub", "decode_floor",
         "rolling_decode", "generate_speed", "prefill_ratio"]
@@ -310,6 +355,12 @@ def _made_up(unit):
     """A made-up `ok` result of `unit`."""
     if unit["kind"] == "matmul":
         return {"gflops": 50.0}
+    if unit["kind"] == "projection":
+        return {"time_s": 1e-3, "gflops": 100.0}
+    if unit["kind"] == "fit":  # ours twice as fast
+        return {"time_s": 0.1 if unit["impl"] == "ours" else 0.2,
+                "first_call_s": 2.0, "compiler": "jit_compile=True",
+                "jit_compile": True}
     if unit["kind"] == "floor":
         return {"time_s": 1e-4, "read_bytes": 2**20, "gb_per_s": 10.0}
     if unit["kind"] == "decode":
@@ -339,14 +390,16 @@ def _finished_run(backend="jax"):
     cells, matmul = report.build_cells(config, units, results)
     decode = report.build_decode(config, units, results)
     features = report.build_features(units, results)
+    fit = report.build_fit(units, results)
     return {
         "what": "keras-mha bench", "config": config, "backends": [backend],
         "machine": {"platform": "Linux", "processor": "x86_64", "cpus": 2,
                     "python": "3.11.0"},
         "backend_info": {backend: {"version": "0.0", "keras": "3.15.1"}},
         "matmul": matmul, "cells": cells, "decode": decode,
-        "features": features,
-        "targets": report.targets(cells, [backend], features, decode),
+        "features": features, "fit": fit,
+        "targets": report.targets(cells, [backend], features, decode, fit,
+                                  config["batch"]),
         "seconds": 12.0,
     }
 
@@ -365,7 +418,10 @@ def test_report_md_has_every_row_of_the_terminal_report(tmp_path):
     prefill = sum(mode in row for row in decode["prefill"]
                   for mode in plan.DECODE_MODES)
     assert len(rows) == (len(document["cells"]) + len(decode["generate"])
-                         + prefill)
+                         + prefill + len(document["fit"]))
+    assert "projections (B*T, 512) @ (512, 512), GFLOP/s: B=1 T=256 100.0" \
+        in text
+    assert "x roof" in text and "2.00x" in text  # fit: keras / ours
     steps = [line for line in lines
              if line.startswith(("│ full ", "│ rolling "))]
     assert len(steps) == len(decode["steps"])
@@ -391,7 +447,7 @@ for line in sys.stdin:
     unit = message["unit"]
     if unit["kind"] == "matmul":
         time.sleep(60)  # hangs: must be killed
-    if unit["impl"] == "keras" and not message["skip_compilers"]:
+    if unit.get("impl") == "keras" and not message["skip_compilers"]:
         print(json.dumps({"event": "trying", "compiler": "xla",
                           "fallback": True}), flush=True)
         time.sleep(60)  # a compiler that never returns
@@ -415,14 +471,18 @@ def test_runner_kills_hung_workers_and_abandons_compilers(
     config = plan.load_config(None, overrides={
         "lengths": [256, 512], "windows": [64], "modes": ["forward"],
         "implementations": ["keras", "ours"], "time_cap_s": 0.5})
-    config.update(compile_allowance_s=0.5, decode=None, features=None)
+    config.update(compile_allowance_s=0.5, decode=None, features=None,
+                  small=None, fit=None)
     units = plan.units_for("jax", config)
     bench = runner.Runner(config, log_folder=str(tmp_path))
     try:
         results = bench.run({"jax": units})
     finally:
         bench.close()
-    matmul, *attention = (results[u["id"]] for u in units)
+    matmul, *projections = (results[u["id"]] for u in units
+                            if u["kind"] in ("matmul", "projection"))
+    attention = [results[u["id"]] for u in units if u["kind"] == "attention"]
+    assert [r["status"] for r in projections] == [plan.OK] * 2
     assert matmul["status"] == plan.TIMED_OUT
     assert matmul["reason"] == ("set-up and first call (compilation "
                                 "included) took over 1 s; worker killed")
@@ -494,6 +554,13 @@ def test_errors_are_one_line(args, message, capsys, tmp_path, monkeypatch):
         ({"features": {"colour": 1}}, [], "features must be null or an "
          "object with"),
         ({"features": None}, ["--features"], "features section is null"),
+        ({"small": {"batch": 0}}, [], "small: batch must be a positive"),
+        ({"small": {"implementations": ["flash"]}}, [],
+         "small: implementations must be a list drawn from keras"),
+        ({"small": {"windows": []}}, [], "small: windows must be a list"),
+        ({"small": {"colour": 1}}, [], "small must be null or an object"),
+        ({"fit": {"window": 0}}, [], "fit: batch, length, layers, warmup"),
+        ({"fit": {"colour": 1}}, [], "fit must be null or an object with"),
     ],
 )
 def test_config_errors(tmp_path, capsys, config, args, message):
@@ -514,6 +581,257 @@ def test_default_config_is_valid(tmp_path, monkeypatch):
         config = plan.load_config(None, profile)
         assert config["lengths"] == sorted(config["lengths"])
     assert plan.load_config(None, "long")["lengths"] == [262144]
+
+
+# ------------------------------------------- projections, small cells, fit
+
+
+def test_plan_has_projections_small_cells_and_fit():
+    config = plan.load_config(None)
+    units = plan.units_for("jax", config)
+    kinds = [u["kind"] for u in units]
+    assert kinds[0] == "matmul"
+    # A projection per (B, T) of the cells, next, in increasing B*T.
+    projections = [u for u in units if u["kind"] == "projection"]
+    assert kinds[1:1 + len(projections)] == ["projection"] * len(projections)
+    assert [(u["B"], u["T"], u["shape"]) for u in projections] == [
+        (1, 1024, [1024, 512, 512]), (8, 128, [1024, 512, 512]),
+        (8, 256, [2048, 512, 512]), (1, 4096, [4096, 512, 512]),
+        (8, 512, [4096, 512, 512]), (1, 16384, [16384, 512, 512]),
+        (1, 65536, [65536, 512, 512])]
+    # The small-model cells after the matrix's: B=8, no native peer.
+    attention = [u for u in units if u["kind"] == "attention"]
+    small = [u for u in attention if u["B"] == 8]
+    assert attention[-len(small):] == small
+    assert {u["B"] for u in attention} == {1, 8}
+    assert [(u["T"], u["w"], u["impl"], u["mode"]) for u in small] == list(
+        itertools.product([128, 256, 512], [None, 64],
+                          ["keras", "ours", "ours_core"], plan.MODES))
+    # The fit steps after them, then the feature cells.
+    fit = [u for u in units if u["kind"] == "fit"]
+    assert [(u["impl"], u["B"], u["T"], u["w"], u["layers"], u["warmup"],
+             u["repeats"]) for u in fit] == [
+        ("ours", 1, 4096, 128, 2, 3, 3), ("keras", 1, 4096, 128, 2, 3, 3)]
+    assert kinds.index("fit") > len(kinds) - 1 - kinds[::-1].index(
+        "attention")
+    assert kinds.index("feature") > kinds.index("fit")
+    assert len({u["id"] for u in units}) == len(units)
+    # A small cell that is also one of the matrix's is measured once.
+    same = {**config, "small": {**config["small"], "batch": 1,
+                                "lengths": [1024]}}
+    ids = [u["id"] for u in plan.units_for("jax", same)]
+    assert len(set(ids)) == len(ids)
+    assert "jax|B=1|T=1024|w=64|causal|ours|forward" in ids
+    bare = plan.units_for("jax", {**config, "small": None, "fit": None})
+    assert {u["B"] for u in bare if u["kind"] == "attention"} == {1}
+    assert "fit" not in [u["kind"] for u in bare]
+    assert not [u for u in plan.units_for("jax", config, only="features")
+                if u["kind"] in ("projection", "fit")]
+    quick = plan.load_config(None, "quick")
+    assert quick["small"] == {"batch": 8, "lengths": [256],
+                              "windows": [None, 64],
+                              "implementations": ["keras", "ours"]}
+    assert (quick["fit"]["length"], quick["fit"]["window"]) == (256, 32)
+
+
+def test_fit_models_differ_only_in_their_attention():
+    unit = {"B": 1, "T": 8, "w": 4, "layers": 2}
+    ours = worker.transformer(
+        lambda: keras_mha.MultiHeadAttention(2, 4, sliding_window=4), unit, 8)
+    theirs = worker.transformer(
+        lambda: keras.layers.MultiHeadAttention(2, 4), unit, 8)
+    for model, cls in ((ours, keras_mha.MultiHeadAttention),
+                       (theirs, keras.layers.MultiHeadAttention)):
+        assert model.output.shape == (1, 8, 8)
+        attention = [layer for layer in model.layers
+                     if isinstance(layer, cls)]
+        assert [layer.num_heads for layer in attention] == [2, 2]
+    assert ours.count_params() == theirs.count_params()
+    assert [type(layer) for layer in ours.layers
+            if not isinstance(layer, keras_mha.MultiHeadAttention)] == [
+        type(layer) for layer in theirs.layers
+        if not isinstance(layer, keras.layers.MultiHeadAttention)]
+
+
+def _matrix_cells(outcomes, rate=100.0, backends=("jax",)):
+    """`(config, cells)`: `build_cells` of a small matrix (T in {16384,
+    65536}, w in {none, 128}; keras, ours and ours core) and small cells
+    (B=8, T=256, no window) with made-up results: 1 s and 1 MiB a unit
+    unless `outcomes` maps (backend, B, T, w, impl, mode) to seconds, a
+    status or result fields; every projection `rate` GFLOP/s (`None`: an
+    error)."""
+    config = plan.load_config(None, overrides={
+        "lengths": [16384, 65536], "windows": [None, 128],
+        "implementations": ["keras", "ours", "ours_core"],
+        "small": {"lengths": [256], "windows": [None]}})
+    config.update(fit=None, features=None, decode=None)
+    units = {backend: plan.units_for(backend, config)
+             for backend in backends}
+    results = {}
+    for backend, found in units.items():
+        for unit in found:
+            if unit["kind"] == "projection":
+                results[unit["id"]] = (
+                    {"status": plan.OK, "gflops": rate} if rate
+                    else {"status": plan.ERROR, "reason": "because"})
+            if unit["kind"] != "attention":
+                continue
+            outcome = outcomes.get((backend, unit["B"], unit["T"], unit["w"],
+                                    unit["impl"], unit["mode"]), 1.0)
+            if isinstance(outcome, str):
+                results[unit["id"]] = {"status": outcome,
+                                       "reason": "because"}
+            else:
+                fields = (outcome if isinstance(outcome, dict)
+                          else {"time_s": outcome})
+                results[unit["id"]] = {"status": plan.OK, "time_s": 1.0,
+                                       "peak_bytes": 2**20, **fields}
+    return config, report.build_cells(config, units, results)[0]
+
+
+def test_the_roofline_is_the_layers_own_projections():
+    config, cells = _matrix_cells({}, rate=100.0)
+    found = {(c["B"], c["T"], c["w"], c["impl"]): c for c in cells}
+    counts = plan.flops(config, 16384, 128, True)
+    ours = found[1, 16384, 128, "ours"]
+    assert ours["projection_gflops"] == 100.0
+    forward = ours["forward"]
+    assert forward["roofline_s"] == pytest.approx(counts["layer"] / 100e9)
+    assert forward["time_over_roofline"] == pytest.approx(
+        1.0 / forward["roofline_s"])
+    assert forward["fraction_of_matmul"] == pytest.approx(
+        1 / forward["time_over_roofline"])
+    assert ours["forward_backward"]["roofline_s"] == pytest.approx(
+        3 * forward["roofline_s"])
+    core = found[1, 16384, 128, "ours_core"]["forward"]
+    assert core["fraction_of_matmul"] == pytest.approx(
+        counts["core"] / 1e9 / 100.0)
+    assert "roofline_s" not in core
+    small = found[8, 256, None, "ours"]
+    assert small["layer_flops_forward"] == 8 * plan.flops(
+        config, 256, None, True)["layer"]
+    assert small["forward"]["keras_time_over_this"] == 1.0
+    # Without a projection rate: no roofline and no fraction.
+    _, cells = _matrix_cells({}, rate=None)
+    assert all(c["projection_gflops"] is None
+               and "roofline_s" not in c["forward"]
+               and "fraction_of_matmul" not in c["forward"] for c in cells)
+
+
+def test_roofline_and_no_window_targets():
+    config, _ = _matrix_cells({})
+    rate = 100.0
+    roof = {w: plan.flops(config, 16384, w, True)["layer"] / (rate * 1e9)
+            for w in (None, 128)}
+    core = plan.flops(config, 16384, 128, True)["core"] / (rate * 1e9)
+    _, cells = _matrix_cells({
+        ("jax", 1, 16384, 128, "ours", "forward"): 1.4 * roof[128],
+        ("torch", 1, 16384, 128, "ours", "forward"): 1.6 * roof[128],
+        ("jax", 1, 16384, None, "ours", "forward"): {
+            "time_s": 1.2 * roof[None], "peak_bytes": 2 * 2**30},
+        ("torch", 1, 16384, None, "ours", "forward"): {
+            "time_s": 1.2 * roof[None], "peak_bytes": 3 * 2**30},
+        ("torch", 1, 65536, None, "ours", "forward"): plan.SKIPPED,
+        ("jax", 1, 16384, 128, "ours_core", "forward"): core / 0.6,
+        ("torch", 1, 16384, 128, "ours_core", "forward"): core / 0.3,
+        ("torch", 8, 256, None, "ours", "forward_backward"): 1.1,
+        **{(backend, 1, 16384, None, "keras", "forward"): 100.0
+           for backend in ("jax", "torch")},
+    }, rate, ("jax", "torch"))
+    found = {t["id"]: t for t in report.targets(cells, ["jax", "torch"])}
+    assert list(found)[:3] == ["roofline", "no_window_causal",
+                               "no_window_long"]
+    assert found["roofline"]["status"] == "not met"
+    assert found["roofline"]["detail"].startswith("jax: 1.40x (")
+    assert "torch: 1.60x" in found["roofline"]["detail"]
+    assert found["no_window_causal"]["status"] == "not met"
+    assert found["no_window_causal"]["detail"].startswith(
+        "jax: peak 2048 MiB; jax: 1.20x")
+    assert "torch: peak 3072 MiB" in found["no_window_causal"]["detail"]
+    long_ = found["no_window_long"]
+    assert long_["status"] == "not met"  # skipped is not completed
+    assert long_["detail"] == ("jax: 1 s, peak 1 MiB; torch: ours: skipped "
+                               "(because)")
+    assert found["core_vs_matmul"]["status"] == "met"  # 60% on jax
+    assert "jax: 60%" in found["core_vs_matmul"]["detail"]
+    assert "torch: 30%" in found["core_vs_matmul"]["detail"]
+    # The small-model cells count against Keras: 1 s / 1.1 s < 0.95.
+    assert found["no_regression"]["status"] == "not met"
+    assert "slowest: torch B=8 T=256 w=none forward_backward: 0.91x" in (
+        found["no_regression"]["detail"])
+    # Each within its bound: met; not in the run: n/a.
+    _, cells = _matrix_cells({
+        ("jax", 1, 16384, 128, "ours", "forward"): 1.49 * roof[128],
+        ("jax", 1, 16384, None, "ours", "forward"): 1.49 * roof[None],
+        ("jax", 1, 16384, None, "keras", "forward"): 100.0})
+    found = {t["id"]: t for t in report.targets(cells, ["jax"])}
+    for target in ("roofline", "no_window_causal", "no_window_long",
+                   "no_regression"):
+        assert found[target]["status"] == "met", found[target]
+    assert found["core_vs_matmul"]["status"] == "not met"
+    # The reference targets read the matrix's batch only.
+    other = [{**c, "B": 2} if c["B"] == 1 else c for c in cells]
+    found = {t["id"]: t for t in report.targets(other, ["jax"])}
+    assert found["roofline"]["status"] == "n/a"
+    assert found["no_window_long"]["status"] == "n/a"
+    assert found["no_regression"]["status"] == "met"
+
+
+def _fit_rows(outcomes, backends=("jax", "tensorflow", "torch")):
+    """`build_fit` of the default fit section with made-up results: 1 s a
+    step, compiled, unless `outcomes` maps (backend, impl) to a status or
+    result fields."""
+    config = plan.load_config(None)
+    units = {backend: [u for u in plan.units_for(backend, config)
+                       if u["kind"] == "fit"] for backend in backends}
+    results = {}
+    for found in units.values():
+        for unit in found:
+            outcome = outcomes.get((unit["backend"], unit["impl"]), {})
+            results[unit["id"]] = (
+                {"status": outcome, "reason": "because"}
+                if isinstance(outcome, str) else
+                {"status": plan.OK, "time_s": 1.0, "first_call_s": 9.0,
+                 "compiler": "jit_compile=True", "jit_compile": True,
+                 **outcome})
+    return report.build_fit(units, results)
+
+
+def test_fit_rows_and_their_target():
+    backends = ["jax", "tensorflow", "torch"]
+    not_compiled = {"compiler": "jit_compile=False", "jit_compile": False,
+                    "note": "jit_compile=True: abandoned"}
+    rows = _fit_rows({("jax", "ours"): {"time_s": 0.5},
+                      ("tensorflow", "ours"): {"time_s": 1.25},
+                      ("torch", "keras"): not_compiled})
+    found = {(r["backend"], r["impl"]): r for r in rows}
+    assert list(found) == list(itertools.product(backends, plan.FIT_IMPLS))
+    assert (found["jax", "ours"]["T"], found["jax", "ours"]["w"]) == (4096,
+                                                                      128)
+    assert found["jax", "ours"]["keras_time_over_this"] == 2.0
+    assert "keras_time_over_this" not in found["jax", "keras"]
+    (target,) = report.targets([], backends, fit=rows)
+    assert target["id"] == "fit_speed"
+    assert target["status"] == "not met"  # tensorflow: 0.80x
+    assert target["detail"] == (
+        "jax: keras 1 s / ours 0.5 s = 2.00x; tensorflow: keras 1 s / ours "
+        "1.25 s = 0.80x; torch: keras 1 s / ours 1 s = 1.00x; keras does not "
+        "compile: jit_compile=True: abandoned")
+    # Where Keras does not compile, the backend does not count.
+    rows = _fit_rows({(backend, "ours"): {"time_s": 0.5}
+                      for backend in ("jax", "tensorflow")}
+                     | {("torch", "keras"): not_compiled})
+    assert report.targets([], backends, fit=rows)[0]["status"] == "met"
+    # Ours failing is a miss, Keras failing is not measured.
+    rows = _fit_rows({("jax", "ours"): plan.ERROR,
+                      ("torch", "keras"): plan.OUT_OF_MEMORY},
+                     ("jax", "torch"))
+    (target,) = report.targets([], ["jax", "torch"], fit=rows)
+    assert target["status"] == "not met"
+    assert target["detail"] == ("jax: ours: error (because); torch: keras: "
+                                "out of memory (because)")
+    rows = _fit_rows({("jax", "keras"): plan.TIMED_OUT}, ("jax",))
+    assert report.targets([], ["jax"], fit=rows)[0]["status"] == "n/a"
 
 
 # ------------------------------------------------------------ feature cells
@@ -861,6 +1179,35 @@ def test_caps_extrapolate_from_the_last_measured_length():
     assert reason.startswith("over memory cap (est. 16.0 GiB > 8.0 GiB")
 
 
+def test_caps_spare_our_forward_and_follow_the_memory_growth():
+    config = plan.load_config(None)  # time cap 60 s, memory cap 16 GiB
+    # Every pair computed (time as T^2), O(T) memory (blocks).
+    history = [{"T": 4096, "status": plan.OK, "time_s": 0.5,
+                "peak_bytes": 2**28},
+               {"T": 16384, "status": plan.OK, "time_s": 8.0,
+                "peak_bytes": 2**30}]
+    unit = {**_unit(65536, "ours"), "w": None}
+    seconds, predicted, _ = plan.estimate(unit, config, "dense", history)
+    assert seconds == pytest.approx(128.0)  # 8 s * 4^2
+    assert predicted == pytest.approx(4 * 2**30)  # 1 GiB * 4: grew as T
+    # Over the time cap, but our layer's forward must complete: it runs.
+    assert plan.cap_reason(unit, config, "dense", history) is None
+    for other in ({**unit, "impl": "keras"},
+                  {**unit, "mode": "forward_backward"}):
+        assert plan.cap_reason(other, config, "dense", history).startswith(
+            "over time cap (est. 128 s")
+    # Memory growing faster than T^2 is read as T^2; one measurement: T^2.
+    history[0]["peak_bytes"] = 2**20
+    assert plan.estimate(unit, config, "dense", history)[1] == (
+        pytest.approx(16 * 2**30))
+    assert plan.estimate(unit, config, "dense", history[1:])[1] == (
+        pytest.approx(16 * 2**30))
+    # The memory cap still holds for ours.
+    reason = plan.cap_reason(unit, config, "dense", history[1:],
+                             memory_cap_bytes=8 * 2**30)
+    assert reason.startswith("over memory cap (est. 16.0 GiB > 8.0 GiB")
+
+
 def test_caps_without_history_use_the_analytic_bytes():
     config = plan.load_config(None)
     dense = plan.dense_bytes(config, 65536)  # 8 * 65536^2 * 4 * 3
@@ -883,8 +1230,8 @@ def test_a_series_that_gave_up_stays_given_up():
 
 def test_targets_compare_the_reference_cell():
     def cell(backend, impl, t_len, window, forward, both=None, peak=2**20):
-        entry = {"backend": backend, "T": t_len, "w": window, "causal": True,
-                 "impl": impl, "scope": plan.SCOPE[impl]}
+        entry = {"backend": backend, "B": 1, "T": t_len, "w": window,
+                 "causal": True, "impl": impl, "scope": plan.SCOPE[impl]}
         entry["forward"] = {"status": plan.OK, "time_s": forward,
                             "peak_bytes": peak}
         entry["forward_backward"] = (

@@ -3,9 +3,10 @@
 For each installed backend (tensorflow, jax, torch; NumPy has no compiler
 and no autodiff and is not benchmarked), T, window w and causal setting of
 the matrix (`--config FILE`, by default `matrices/bench.json`, shipped with
-the package), with B=1, N=8, H=64 (E=512), it times the forward and
-forward+backward (gradient of 0.5*sum(y^2) w.r.t. the inputs and the
-weights) of:
+the package), with B=1, N=8, H=64 (E=512), and for the small-model cells
+of its `small` section (B=8, T in {128, 256, 512}, w in {none, 64};
+keras, ours and ours_core), it times the forward and forward+backward
+(gradient of 0.5*sum(y^2) w.r.t. the inputs and the weights) of:
 
 - `keras` - `keras.layers.MultiHeadAttention(sliding_window=w)`, whole layer;
 - `ours` - `keras_mha.MultiHeadAttention(sliding_window=w)`, whole layer;
@@ -17,13 +18,25 @@ weights) of:
   timed separately), jax `jax.nn.dot_product_attention(is_causal=True,
   local_window_size=(w-1, 0))`; attention core only.
 
-It also measures each backend's float32 matmul rate (the yardstick of the
-"% matmul" column and of the roofline) and, unless `--no-features`, the
-feature cells: our whole layer at T=16384, w=128, causal, forward and
-forward+backward, with one feature of current models on (RoPE, soft-cap
-50, sinks, ALiBi, 4 equal segments of `segment_ids`) against the same
-layer with none (`plain`), each as a ratio to plain (target: at most
-1.3x).
+The yardstick of the "% matmul" column and of the roofline is the float32
+rate of the layer's own projection matmul, `(B*T, E) @ (E, N*H)`, timed
+in the same worker at each B and T of the cells: the roofline is the
+layer's useful FLOPs at that rate, what it would cost if attention ran as
+fast as its projections (a square matmul's rate is reported beside it,
+for information).
+
+Unless `--no-fit`, it times one `train_on_batch` step (the config's `fit`
+section: a 2-layer causal transformer, B=1, T=4096, w=128, E=512, mse,
+Adam) compiled with `jit_compile=True` where Keras compiles it, with our
+layer (w=128) and with `keras.layers.MultiHeadAttention` (causal, no
+window) in its blocks; target: ours faster on every backend where Keras's
+compiles.
+
+Unless `--no-features`, it times the feature cells: our whole layer at
+T=16384, w=128, causal, forward and forward+backward, with one feature of
+current models on (RoPE, soft-cap 50, sinks, ALiBi, 4 equal segments of
+`segment_ids`) against the same layer with none (`plain`), each as a
+ratio to plain (target: at most 1.3x).
 
 Unless `--no-decode`, it measures decoding (the config's `decode`
 section), each cell eager and, on jax and tensorflow, compiled (`jax.jit`
@@ -50,12 +63,14 @@ with the cache donated, `tf.function(jit_compile=True)`):
 `--features` runs only the feature cells (`OUT/bench-features.json`,
 `OUT/report-features.md`), `--decode` only the decode cells
 (`OUT/bench-decode.json`, `OUT/report-decode.md`), `--long` only the
-long-sequence case (T=262144, w=128, ours and ours_core, forward).
+long-sequence case (T=262144, w=128, ours and ours_core, forward; no
+small-model cells, no fit step).
 
 The command (`command.py`) runs each backend in its own worker process
 (`worker.py`, `backends.py`) fed one unit at a time by the parent
 (`runner.py`), which enforces the wall-clock and memory limits; units
-predicted to pass the time or memory cap are skipped (`plan.py`); peak
+predicted to pass the time or memory cap are skipped (`plan.py`; our
+layer's forward only for the memory: it must complete); peak
 memory is the largest growth of the worker's resident memory during the
 timed calls (`memory.py`); on a GPU, every timed call waits for its kernels
 (`Backend.block`). Results are reported, never dropped: a unit that did not

@@ -21,7 +21,10 @@ def add_parser(commands):
         description="Times keras_mha.MultiHeadAttention, "
         "keras.layers.MultiHeadAttention and native attention kernels "
         "(forward, forward+backward, peak memory) on each backend, each in "
-        "its own process; our layer with each feature (RoPE, soft-cap, "
+        "its own process, against a roofline from the layer's own "
+        "projection matmuls; small-model cells (B=8); one fit step of a "
+        "small causal transformer with our layer and with Keras's; our "
+        "layer with each feature (RoPE, soft-cap, "
         "sinks, ALiBi, segment ids) against none; and decoding: ours and "
         "keras-hub's CachedMultiHeadAttention per token, eager and "
         "compiled, against the floor of reading the cache, a tiny GPT-2 "
@@ -68,6 +71,10 @@ def add_parser(commands):
                         "and report-features.md")
     parser.add_argument("--no-features", action="store_true",
                         help="skip the feature cells")
+    parser.add_argument("--no-fit", action="store_true",
+                        help="skip the fit step (one train_on_batch of a "
+                        "small causal transformer, ours against Keras's "
+                        "layer; the config's fit section)")
     parser.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
                         help=f"folder for bench.json, report.md and "
                         f"bench.png (default {DEFAULT_OUT})")
@@ -112,6 +119,10 @@ def run(args):
         config["decode"] = None
     if args.no_features or args.long:
         config["features"] = None
+    if args.no_fit or args.long:
+        config["fit"] = None
+    if args.long:
+        config["small"] = None
     if only is not None and config[only] is None:
         raise CLIError(f"--{only}: the config's {only} section is null")
     missing = [b for b in config["backends"] if not backend_installed(b)]
@@ -180,6 +191,7 @@ def _bench(config, out, case, skipped):
                                            missing)
         decode = report.build_decode(config, units, bench.results, missing)
         features = report.build_features(units, bench.results, missing)
+        fit = report.build_fit(units, bench.results, missing)
         found = {
             "what": "keras-mha bench" + (f" --{case}" if case else ""),
             "config": config,
@@ -190,13 +202,15 @@ def _bench(config, out, case, skipped):
             "peak_memory": _memory_method(bench.backends),
             "matmul": matmul,
             "cells": cells,
+            "fit": fit,
             "decode": decode,
             "features": features,
             "seconds": round(time.perf_counter() - started, 1),
         }
         if case != "long":
             found["targets"] = report.targets(cells, config["backends"],
-                                              features, decode)
+                                              features, decode, fit,
+                                              config["batch"])
         return found
 
     interrupted = False

@@ -11,10 +11,13 @@ from keras_mha.cli.common import CLIError
 MIB = 2**20
 GIB = 2**30
 
-# The issue's reference cell and thresholds (issues 3 and 4).
+# The issue's reference cell and thresholds (issues 3, 4 and 14).
 TARGET_LENGTH = 16384
 TARGET_WINDOW = 128
 MAX_PEAK_BYTES = 2 * GIB
+MAX_ROOFLINE_FACTOR = 1.5  # ours whole-layer forward time / roofline
+MAX_CAUSAL_PEAK_BYTES = 2.5 * GIB  # T=16384, no window, causal, forward
+LONG_CAUSAL_LENGTH = 65536  # no window, causal: ours completes
 MAX_SCALING = 4.5  # time(T=65536) / time(T=16384), ideal 4
 MIN_CORE_FRACTION = 0.5  # of the matmul rate, on at least one backend
 MAX_FLEX_RATIO = 1.5  # torch: ours core / compiled flex_attention
@@ -30,6 +33,8 @@ MAX_FLOOR_FACTOR = 3.0  # compiled step <= factor * floor + fixed cost
 MAX_ROLLING_SPREAD = 1.2  # rolling: slowest / fastest over the positions
 MAX_ROLLING_FLOOR_FACTOR = 2.0  # rolling step <= factor * floor + fixed
 MAX_PREFILL_RATIO = 1.3  # through a cache / without one
+# A unit that ran and gave no time.
+_FAILED = (plan.ERROR, plan.OUT_OF_MEMORY, plan.TIMED_OUT)
 # Characters per line of `report.md`: the attention table is about 130 wide.
 MARKDOWN_WIDTH = 150
 
@@ -45,17 +50,28 @@ def _result(results, unit, missing):
 def build_cells(config, units_by_backend, results, missing="not run"):
     """Units and results -> the JSON document's `cells` and `matmul`.
 
-    A unit without a result is `not run`, `missing` saying why.
+    `matmul[backend]`: `{"square": the square matmul's result with its
+    `size`, "projections": [the result of each projection unit with its B,
+    T and shape]}`. A cell is one (backend, B, T, w, causal, impl) with a
+    result per mode (`_derive` adds the ratios). A unit without a result is
+    `not run`, `missing` saying why.
     """
     matmul, cells = {}, {}
     for backend, units in units_by_backend.items():
         for unit in units:
             result = _result(results, unit, missing)
-            if unit["kind"] == "matmul":
-                matmul[backend] = {"size": unit["size"], **result}
+            if unit["kind"] in ("matmul", "projection"):
+                rates = matmul.setdefault(backend, {"square": None,
+                                                    "projections": []})
+                if unit["kind"] == "matmul":
+                    rates["square"] = {"size": unit["size"], **result}
+                else:
+                    rates["projections"].append({
+                        "B": unit["B"], "T": unit["T"],
+                        "shape": unit["shape"], **result})
             elif unit["kind"] == "attention":
-                key = (backend, unit["T"], unit["w"], unit["causal"],
-                       unit["impl"])
+                key = (backend, unit["B"], unit["T"], unit["w"],
+                       unit["causal"], unit["impl"])
                 cell = cells.setdefault(key, _new_cell(config, unit))
                 cell[unit["mode"]] = result
     for cell in cells.values():
@@ -64,11 +80,12 @@ def build_cells(config, units_by_backend, results, missing="not run"):
 
 
 def _new_cell(config, unit):
-    counts = plan.flops(config, unit["T"], unit["w"], unit["causal"])
+    counts = plan.flops(config, unit["T"], unit["w"], unit["causal"],
+                        unit["B"])
     scope = plan.SCOPE[unit["impl"]]
     return {
-        "backend": unit["backend"], "T": unit["T"], "w": unit["w"],
-        "causal": unit["causal"], "impl": unit["impl"],
+        "backend": unit["backend"], "B": unit["B"], "T": unit["T"],
+        "w": unit["w"], "causal": unit["causal"], "impl": unit["impl"],
         "label": plan.LABELS[unit["impl"]], "scope": scope,
         "pairs": counts["pairs"],
         "useful_flops_forward": counts[scope],
@@ -80,11 +97,33 @@ def _ok(result):
     return bool(result) and result.get("status") == plan.OK
 
 
+def _projection_rate(matmul, backend, batch, length):
+    """GFLOP/s of the projection matmul at (B, T) on `backend`, or `None`
+    where it was not measured."""
+    for row in (matmul.get(backend) or {}).get("projections", ()):
+        if (row["B"], row["T"]) == (batch, length) and _ok(row):
+            return row["gflops"]
+    return None
+
+
 def _derive(cell, cells, matmul):
-    rate = matmul.get(cell["backend"], {})
-    rate = rate.get("gflops") if _ok(rate) else None
-    keras = cells.get((cell["backend"], cell["T"], cell["w"], cell["causal"],
-                       "keras"))
+    """A cell's ratios, per measured mode: `useful_gflops`; against the
+    projection matmul of the same backend, B and T (`projection_gflops`,
+    the cell's), `fraction_of_matmul` (the core's and the layer's); for a
+    whole layer, `roofline_s`, `time_over_roofline` and
+    `keras_time_over_this` (Keras's time in the same cell / this).
+
+    The projection rate, not the square matmul's, is the yardstick of both:
+    the roofline is what the layer would cost if attention ran as fast as
+    its own projections, and the core's fraction reads against the same
+    rate, so a layer's `fraction_of_matmul` is `1 / time_over_roofline`.
+    Without a projection rate there is neither (the square rate, another
+    shape, is for information only).
+    """
+    rate = _projection_rate(matmul, cell["backend"], cell["B"], cell["T"])
+    cell["projection_gflops"] = rate
+    keras = cells.get((cell["backend"], cell["B"], cell["T"], cell["w"],
+                       cell["causal"], "keras"))
     for mode in plan.MODES:
         result = cell.get(mode)
         if not _ok(result):
@@ -103,6 +142,29 @@ def _derive(cell, cells, matmul):
             if keras is not None and _ok(keras.get(mode)):
                 result["keras_time_over_this"] = (
                     keras[mode]["time_s"] / result["time_s"])
+
+
+def build_fit(units_by_backend, results, missing="not run"):
+    """The `fit` units and results -> the JSON document's `fit`: a row per
+    (backend, impl) with the unit's B, T, w and layers and its result;
+    ours, where both were measured, with `keras_time_over_this` (Keras's
+    step time / ours)."""
+    rows = {}
+    for backend, units in units_by_backend.items():
+        for unit in units:
+            if unit["kind"] != "fit":
+                continue
+            rows[backend, unit["impl"]] = {
+                "backend": backend, "impl": unit["impl"],
+                "label": plan.LABELS[unit["impl"]],
+                **{name: unit[name] for name in ("B", "T", "w", "layers")},
+                **_result(results, unit, missing),
+            }
+    for (backend, impl), row in rows.items():
+        keras = rows.get((backend, "keras"))
+        if impl == "ours" and _ok(row) and _ok(keras):
+            row["keras_time_over_this"] = keras["time_s"] / row["time_s"]
+    return list(rows.values())
 
 
 def build_decode(config, units_by_backend, results, missing="not run"):
@@ -324,16 +386,25 @@ def _verdict(checks, need_all=True):
     return _status([passed for passed, _ in checks], need_all), detail
 
 
-def targets(cells, backends, features=(), decode=None):
+def targets(cells, backends, features=(), decode=None, fit=(), batch=1):
     """The issues' targets: `[{"id", "target", "status", "detail"}]`.
 
     Status: `met`, `not met`, `n/a` (not measured in this run) or `info`
     (a number the issues ask for, without a threshold). The attention
-    cells' targets where the run has cells, the features' where it has
-    feature rows (`build_features`), the decode section's where it has one
+    cells' targets where the run has cells: those of a reference cell read
+    the matrix's cells (batch `batch`), `no_regression` every cell, the
+    small-model ones included; the fit step's where it has fit rows
+    (`build_fit`), the features' where it has feature rows
+    (`build_features`), the decode section's where it has one
     (`build_decode`).
     """
-    found = [check(cells, backends) for check in _TARGETS] if cells else []
+    found = []
+    if cells:
+        matrix = [cell for cell in cells if cell["B"] == batch]
+        found += [check(matrix, backends) for check in _TARGETS]
+        found.append(_no_regression(cells, backends))
+    if fit:
+        found.append(_fit_speed(fit, backends))
     if features:
         found.append(_feature_ratios(features, backends))
     if decode:
@@ -345,19 +416,74 @@ def targets(cells, backends, features=(), decode=None):
 _T, _W = TARGET_LENGTH, TARGET_WINDOW
 
 
-def _roofline(cells, backends):
-    notes = []
+def _ours_forward(cells, backend, length, window):
+    """Our whole layer's causal forward in one cell: `(result, None)` where
+    measured, else `(None, (passed, why))`, `passed` `False` where it ran
+    or was skipped and gave no time (a target asks it to complete), `None`
+    where it is not in this run or was not run."""
+    result, why = _mode(cells, backend, length, window, "ours", "forward")
+    if result is not None:
+        return result, None
+    cell = _find(cells, backend, length, window, "ours") or {}
+    status = (cell.get("forward") or {}).get("status")
+    failed = status in _FAILED + (plan.SKIPPED,)
+    return None, (False if failed else None, f"{backend}: {why}")
+
+
+def _roofline_check(result, backend):
+    """`(passed, text)`: a whole layer's forward within
+    `MAX_ROOFLINE_FACTOR` of its roofline."""
+    if "time_over_roofline" not in result:
+        return None, f"{backend}: no projection rate, no roofline"
+    factor = result["time_over_roofline"]
+    return factor <= MAX_ROOFLINE_FACTOR, (
+        f"{backend}: {factor:.2f}x ({result['time_s']:.3g} s vs roofline "
+        f"{result['roofline_s']:.3g} s)")
+
+
+def _completion_checks(cells, backends, length, window):
+    """`[(passed, text)]`: our layer's forward completes on each backend."""
+    checks = []
     for backend in backends:
-        result, why = _mode(cells, backend, _T, _W, "ours", "forward")
-        if result is None:
-            notes.append(f"{backend}: {why}")
-        elif "time_over_roofline" in result:
-            notes.append(f"{backend}: {result['time_over_roofline']:.2f}x "
-                         f"({result['time_s']:.3f} s vs roofline "
-                         f"{result['roofline_s']:.3f} s)")
-    return ("roofline",
-            f"T={_T}, w={_W}, causal, whole-layer forward: ours / roofline",
-            "info", "; ".join(notes) or "no data")
+        result, missing = _ours_forward(cells, backend, length, window)
+        checks.append(missing or (True, f"{backend}: {result['time_s']:.3g} "
+                                  f"s, peak {result['peak_bytes'] / MIB:.0f} "
+                                  "MiB"))
+    return checks
+
+
+def _roofline(cells, backends):
+    checks = []
+    for backend in backends:
+        result, missing = _ours_forward(cells, backend, _T, _W)
+        checks.append(missing or _roofline_check(result, backend))
+    return ("roofline", f"T={_T}, w={_W}, causal, whole-layer forward: ours "
+            f"<= {MAX_ROOFLINE_FACTOR:g}x the roofline (its projections' "
+            "matmul rate) on every backend", *_verdict(checks))
+
+
+def _no_window_causal(cells, backends):
+    checks = []
+    for backend in backends:
+        result, missing = _ours_forward(cells, backend, _T, None)
+        if missing:
+            checks.append(missing)
+            continue
+        peak = result["peak_bytes"]
+        checks.append((peak < MAX_CAUSAL_PEAK_BYTES,
+                       f"{backend}: peak {peak / MIB:.0f} MiB"))
+        checks.append(_roofline_check(result, backend))
+    return ("no_window_causal", f"T={_T}, no window, causal, whole-layer "
+            f"forward: ours completes on every backend, peak < "
+            f"{MAX_CAUSAL_PEAK_BYTES / GIB:g} GiB, <= "
+            f"{MAX_ROOFLINE_FACTOR:g}x the roofline", *_verdict(checks))
+
+
+def _no_window_long(cells, backends):
+    length = LONG_CAUSAL_LENGTH
+    return ("no_window_long", f"T={length}, no window, causal, whole-layer "
+            "forward: ours completes on every backend",
+            *_verdict(_completion_checks(cells, backends, length, None)))
 
 
 def _keras_over_ours(cells, backends):
@@ -380,23 +506,17 @@ def _keras_over_ours(cells, backends):
 def _completes_on_tensorflow(cells, backends):
     if "tensorflow" not in backends:
         return None
-    result, why = _mode(cells, "tensorflow", _T, _W, "ours", "forward")
-    if result is not None:
-        status, detail = "met", f"{result['time_s']:.3f} s"
-    else:
-        in_run = _find(cells, "tensorflow", _T, _W, "ours") is not None
-        status, detail = ("not met" if in_run else "n/a"), why
     return ("completes_on_tensorflow",
-            f"T={_T}, w={_W} forward completes on tensorflow", status, detail)
+            f"T={_T}, w={_W} forward completes on tensorflow",
+            *_verdict(_completion_checks(cells, ["tensorflow"], _T, _W)))
 
 
 def _peak_memory(cells, backends):
     checks = []
     for backend in backends:
-        result, why = _mode(cells, backend, _T, _W, "ours", "forward")
-        if result is None:
-            in_run = _find(cells, backend, _T, _W, "ours") is not None
-            checks.append((False if in_run else None, f"{backend}: {why}"))
+        result, missing = _ours_forward(cells, backend, _T, _W)
+        if missing:
+            checks.append(missing)
         else:
             peak = result["peak_bytes"]
             checks.append((peak < MAX_PEAK_BYTES,
@@ -430,14 +550,16 @@ def _core_vs_matmul(cells, backends):
     for backend in backends:
         result, why = _mode(cells, backend, _T, _W, "ours_core", "forward")
         if result is None or "fraction_of_matmul" not in result:
-            checks.append((None, f"{backend}: {why or 'no matmul rate'}"))
+            checks.append((None, f"{backend}: "
+                           f"{why or 'no projection rate'}"))
         else:
             fraction = result["fraction_of_matmul"]
             checks.append((fraction >= MIN_CORE_FRACTION,
                            f"{backend}: {fraction:.0%} "
                            f"({result['useful_gflops']:.1f} GFLOP/s)"))
     return ("core_vs_matmul", f"ours core at T={_T}, w={_W} >= "
-            f"{MIN_CORE_FRACTION:.0%} of the matmul rate on >= 1 backend",
+            f"{MIN_CORE_FRACTION:.0%} of the matmul rate (the projections', "
+            "same B and T) on >= 1 backend",
             *_verdict(checks, need_all=False))
 
 
@@ -489,8 +611,8 @@ def _no_regression(cells, backends):
             result = cell.get(mode)
             if _ok(result) and "keras_time_over_this" in result:
                 speeds.append((result["keras_time_over_this"],
-                               f"{cell['backend']} T={cell['T']} "
-                               f"w={_w(cell['w'])} {mode}"))
+                               f"{cell['backend']} B={cell['B']} "
+                               f"T={cell['T']} w={_w(cell['w'])} {mode}"))
     if not speeds:
         status = "n/a"
         detail = "no cell with w = none or w >= T measured for both"
@@ -500,7 +622,8 @@ def _no_regression(cells, backends):
         status = "not met" if slow else "met"
         detail = (f"{len(speeds) - len(slow)}/{len(speeds)} cells ok; "
                   f"slowest: {worst[1]}: {worst[0]:.2f}x")
-    return ("no_regression", "no regression for w = none and w >= T: "
+    return ("no_regression", "no regression for w = none and w >= T, "
+            "small-model cells included, forward and forward+backward: "
             f"keras time / ours time >= {MIN_NO_WINDOW_SPEED}", status,
             detail)
 
@@ -570,14 +693,45 @@ def _mode_name(mode):
     return {"forward": "fwd", "forward_backward": "fwd+bwd"}[mode]
 
 
-_TARGETS = (_roofline, _keras_over_ours, _completes_on_tensorflow,
-            _peak_memory, _linear_scaling, _core_vs_matmul, _core_vs_flex,
-            _training_speedup, _no_regression, _jax_causal_speedup)
+def _fit_speed(fit, backends):
+    """Ours faster than Keras's layer in the fit step on every backend where
+    Keras's model compiles (`jit_compile` on); elsewhere the ratio is
+    information."""
+    checks = []
+    for backend in backends:
+        rows = {row["impl"]: row for row in fit if row["backend"] == backend}
+        ours, keras = rows.get("ours"), rows.get("keras")
+        problem = _unmeasured([("keras", keras, False), ("ours", ours, True)])
+        if problem:
+            checks.append((problem[0], f"{backend}: {problem[1]}"))
+            continue
+        ratio = ours["keras_time_over_this"]
+        text = (f"{backend}: keras {keras['time_s']:.3g} s / ours "
+                f"{ours['time_s']:.3g} s = {ratio:.2f}x")
+        if not ours["jit_compile"]:
+            text += " (ours not compiled)"
+        if not keras["jit_compile"]:
+            checks.append((None, f"{text}; keras does not compile: "
+                           f"{keras.get('note') or 'jit_compile turned off'}"))
+        else:
+            checks.append((ratio > 1, text))
+    first = fit[0]
+    return ("fit_speed", f"one fit step (jit_compile=True), {first['layers']}"
+            f"-layer causal transformer, T={first['T']}: ours "
+            f"(w={_w(first['w'])}) faster than keras.layers."
+            "MultiHeadAttention (causal) on every backend where keras "
+            "compiles", *_verdict(checks))
+
+
+# The targets of the matrix's reference cells (`no_regression` reads every
+# cell: see `targets`).
+_TARGETS = (_roofline, _no_window_causal, _no_window_long, _keras_over_ours,
+            _completes_on_tensorflow, _peak_memory, _linear_scaling,
+            _core_vs_matmul, _core_vs_flex, _training_speedup,
+            _jax_causal_speedup)
 
 
 # ------------------------------------------------------------ decode targets
-
-_FAILED = (plan.ERROR, plan.OUT_OF_MEMORY, plan.TIMED_OUT)
 
 
 def _step(decode, backend, impl, cache, slots, position, mode):
@@ -826,6 +980,8 @@ def print_report(console, document):
     """Every table of `document`, then its targets."""
     if document["cells"]:
         print_cells(console, document)
+    if document.get("fit"):
+        print_fit(console, document["fit"])
     if document["decode"]:
         print_decode(console, document["decode"])
     if document.get("features"):
@@ -844,49 +1000,50 @@ def print_cells(console, document):
     matmul = document["matmul"]
     console.print(
         "Median seconds per call; peak = largest increase of resident "
-        "memory during the timed forward calls (MiB); GFLOP/s and % of the "
-        "matmul rate from useful forward FLOPs (see flops_definition in the "
-        "JSON); vs keras = keras time / this time, forward / forward+"
+        "memory during the timed forward calls (MiB); GFLOP/s from useful "
+        "forward FLOPs (see flops_definition in the JSON); % matmul = that "
+        "rate / the projection matmul's at the same B and T, x roof = "
+        "forward time / roofline (whole-layer FLOPs at the projection "
+        "rate); vs keras = keras time / this time, forward / forward+"
         "backward (whole layer only).", soft_wrap=True,
     )
     for backend in document["backends"]:
-        rate = matmul.get(backend, {})
-        if _ok(rate):
-            console.print(f"  {backend}: float32 matmul {rate['size']}^2: "
-                          f"{rate['gflops']:.1f} GFLOP/s")
-        elif rate:
-            console.print(f"  {backend}: matmul {_short(rate)}: "
-                          f"{rate.get('reason', '')}")
-    table = Table(title="attention, B={batch}, N={num_heads}, "
-                  "H={key_dim}".format(**config))
+        line = _matmul_line(matmul.get(backend))
+        if line:
+            console.print(f"  {backend}: {line}", soft_wrap=True)
+    table = Table(title="attention, N={num_heads}, H={key_dim}".format(
+        **config))
     for column, justify in (
-        ("backend", "left"), ("T", "right"), ("w", "right"),
+        ("backend", "left"), ("B", "right"), ("T", "right"), ("w", "right"),
         ("impl", "left"), ("fwd s", "right"), ("fwd+bwd s", "right"),
         ("peak MiB", "right"), ("GFLOP/s", "right"), ("% matmul", "right"),
-        ("vs keras", "right"),
+        ("x roof", "right"), ("vs keras", "right"),
     ):
         table.add_column(column, justify=justify)
     footnotes = []
     previous = None
     for cell in sorted(cells, key=_cell_order):
-        group = (cell["backend"], cell["T"], cell["w"], cell["causal"])
-        if previous is not None and group[:2] != previous[:2]:
+        group = (cell["backend"], cell["B"], cell["T"])
+        if previous is not None and group != previous:
             table.add_section()
         previous = group
         forward, both = cell.get("forward"), cell.get("forward_backward")
         window = _w(cell["w"])
         if both_causal:
             window = f"{window} {'causal' if cell['causal'] else 'bidir'}"
-        row = [cell["backend"], str(cell["T"]), str(window), cell["label"]]
+        row = [cell["backend"], str(cell["B"]), str(cell["T"]), str(window),
+               cell["label"]]
         for result in (forward, both):
             row.append(_time_text(result, footnotes))
         if _ok(forward):
             row += [f"{forward['peak_bytes'] / MIB:.0f}",
                     f"{forward['useful_gflops']:.1f}",
                     (f"{forward['fraction_of_matmul']:.0%}"
-                     if "fraction_of_matmul" in forward else "-")]
+                     if "fraction_of_matmul" in forward else "-"),
+                    (f"{forward['time_over_roofline']:.2f}"
+                     if "time_over_roofline" in forward else "-")]
         else:
-            row += ["-", "-", "-"]
+            row += ["-", "-", "-", "-"]
         speed = []
         for result in (forward, both):
             if _ok(result) and "keras_time_over_this" in result:
@@ -908,10 +1065,66 @@ def print_cells(console, document):
                           for c in extras), soft_wrap=True)
 
 
+def _matmul_line(rates):
+    """One line of a backend's matmul rates: the square one, then each
+    projection's (the roofline's yardstick) by B and T."""
+    if not rates:
+        return ""
+    parts = []
+    square = rates["square"]
+    if square:
+        parts.append(f"float32 matmul {square['size']}^2: " + (
+            f"{square['gflops']:.1f} GFLOP/s" if _ok(square)
+            else f"{_short(square)} ({square.get('reason', '')})"))
+    rows = rates["projections"]
+    if rows:
+        features, columns = rows[0]["shape"][1:]
+        parts.append(f"projections (B*T, {features}) @ ({features}, "
+                     f"{columns}), GFLOP/s: " + ", ".join(
+                         f"B={row['B']} T={row['T']} "
+                         + (f"{row['gflops']:.1f}" if _ok(row)
+                            else _short(row)) for row in rows))
+    return "; ".join(parts)
+
+
+def print_fit(console, rows):
+    """The fit steps: ours against Keras's layer, per backend."""
+    from rich.table import Table
+    from rich.text import Text
+
+    first = rows[0]
+    console.print(
+        f"Fit: one train_on_batch step (mse, Adam) of a {first['layers']}-"
+        f"layer causal transformer (B={first['B']}, T={first['T']}) with "
+        f"our attention (w={_w(first['w'])}) or Keras's (causal), compiled "
+        "with jit_compile=True where Keras does (jit_compile = what ran); "
+        "median s per step after the first (compilation included); vs "
+        "keras = keras time / this time.", soft_wrap=True)
+    table = Table(title="fit step")
+    for column in ("backend", "attention", "jit_compile", "first step s",
+                   "step s", "vs keras"):
+        table.add_column(column, justify="left" if column in (
+            "backend", "attention", "jit_compile") else "right")
+    footnotes = []
+    for row in rows:
+        measured = _ok(row)
+        table.add_row(
+            row["backend"], row["label"],
+            str(row["jit_compile"]) if measured else "-",
+            f"{row['first_call_s']:.3g}" if measured else "-",
+            _time_text(row, footnotes),
+            (f"{row['keras_time_over_this']:.2f}x"
+             if "keras_time_over_this" in row else "-"))
+    console.print(table)
+    for number, reason in enumerate(footnotes, start=1):
+        console.print(Text(f"[{number}] {reason}"), soft_wrap=True)
+
+
 def _cell_order(cell):
     impls = ("keras", "ours", "ours_core", "flex_attention", "jax_dpa")
-    return (cell["backend"], cell["T"], -1 if cell["w"] is None else cell["w"],
-            not cell["causal"], impls.index(cell["impl"]))
+    return (cell["backend"], cell["B"], cell["T"],
+            -1 if cell["w"] is None else cell["w"], not cell["causal"],
+            impls.index(cell["impl"]))
 
 
 def print_decode(console, decode):
@@ -1190,7 +1403,9 @@ def write_plot(path, document):
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    cells = document["cells"]
+    # The matrix's cells: the small-model ones have another batch.
+    cells = [cell for cell in document["cells"]
+             if cell["B"] == document["config"]["batch"]]
     backends = document["backends"]
     # One mask per figure: causal where the run has it.
     causal = any(c["causal"] for c in cells) or not cells

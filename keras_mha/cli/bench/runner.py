@@ -9,7 +9,8 @@ then waits for the result while watching two limits:
   timed calls twice the time cap plus a minute (a worker's start-up gets
   `STARTUP_TIMEOUT`); past it the worker is killed and the unit is `timed
   out`. Where the first call that overran had a fallback compiler
-  (TensorFlow: XLA, then plain `tf.function`), the unit is run again
+  (TensorFlow: XLA, then plain `tf.function`; a `fit` step:
+  `jit_compile=True`, then `False`), the unit is run again
   without it, and the rest of its series skips it too: XLA can take hours
   to constant-fold Keras's (T, T) sliding-window mask;
 - memory: the worker's resident memory may grow by the memory cap (or by
@@ -169,8 +170,8 @@ class Runner:
         self.results = {}
         self.backends = {}
         self._done = []  # attention units with a result, in order
-        # Compilers abandoned per series: (backend, impl, w, causal) ->
-        # {compiler: why}
+        # Compilers abandoned per series (`_compiler_key`) -> {compiler:
+        # why}
         self._abandoned = {}
         self._folder = tempfile.TemporaryDirectory(prefix="keras-mha-bench-")
         self.config_path = os.path.join(self._folder.name, "config.json")
@@ -332,10 +333,12 @@ def _compiler_key(unit):
     """Units that share a compiled program's fate (both modes of a cell
     and the same cell at every T)."""
     if unit["kind"] == "attention":
-        return (unit["backend"], unit["impl"], unit["w"], unit["causal"])
+        return (unit["backend"], unit["B"], unit["impl"], unit["w"],
+                unit["causal"])
     if unit["kind"] == "feature":
         return (unit["backend"], unit["kind"], unit["feature"])
-    # The decode section: a layer, cache and mode at every position.
+    # A fit step: its model; the decode section: a layer, cache and mode at
+    # every position.
     return (unit["backend"], unit["kind"]) + tuple(
         unit.get(name) for name in ("impl", "cache", "slots", "w", "mode"))
 
@@ -343,6 +346,13 @@ def _compiler_key(unit):
 def describe(unit):
     if unit["kind"] == "matmul":
         return f"{unit['backend']} matmul {unit['size']}"
+    if unit["kind"] == "projection":
+        rows, inner, columns = unit["shape"]
+        return (f"{unit['backend']} projection matmul ({rows}, {inner}) @ "
+                f"({inner}, {columns})")
+    if unit["kind"] == "fit":
+        return (f"{unit['backend']} fit step, {plan.LABELS[unit['impl']]} "
+                f"attention, T={unit['T']} w={_w(unit['w'])}")
     if unit["kind"] == "decode":
         return (f"{unit['backend']} decode {plan.DECODE_LABELS[unit['impl']]} "
                 f"{unit['cache']} L={unit['slots']} p={unit['position']} "
@@ -357,10 +367,12 @@ def describe(unit):
         return (f"{unit['backend']} prefill T={unit['T']} w={_w(unit['w'])} "
                 f"{unit['cache']} cache {unit['mode']}")
     window = _w(unit["w"])
-    what = (plan.LABELS[unit["impl"]] if unit["kind"] == "attention"
-            else f"ours, {plan.FEATURE_LABELS[unit['feature']]}")
-    return (f"{unit['backend']} T={unit['T']} w={window} {what} "
-            f"{unit['mode'].replace('_', '+')}")
+    if unit["kind"] == "feature":
+        return (f"{unit['backend']} T={unit['T']} w={window} ours, "
+                f"{plan.FEATURE_LABELS[unit['feature']]} "
+                f"{unit['mode'].replace('_', '+')}")
+    return (f"{unit['backend']} B={unit['B']} T={unit['T']} w={window} "
+            f"{plan.LABELS[unit['impl']]} {unit['mode'].replace('_', '+')}")
 
 
 def _w(window):

@@ -10,6 +10,10 @@ time-outs and replaces a worker that died.
 
 A feature unit is an attention unit of our whole layer with one feature on
 (`feature_arguments`); it records the path the layer takes like the others.
+A `matmul` unit times a square matmul, a `projection` unit the matmul of
+one of the layer's projections at a cell's B and T, in this process (the
+roofline's rate); a `fit` unit one `train_on_batch` step of a small causal
+transformer (`transformer`).
 The decode section's units (`decode`, `floor`, `generate`, `prefill`, see
 `plan.decode_units`) fill their caches with random keys and values before
 timing, so every slot a step reads holds a real token.
@@ -20,6 +24,7 @@ longer than the time cap together), the result their median. Peak memory
 covers the timed calls only (`memory.py`).
 """
 
+import functools
 import gc
 import importlib.util
 import json
@@ -145,6 +150,27 @@ def gpt2_backbone(attention):
     return backbone
 
 
+# ---------------------------------------------------------------------- fit
+
+
+def transformer(attention, unit, features):
+    """The `fit` unit's model on inputs `(B, T, E)`: `layers` pre-norm
+    causal blocks (LayerNorm, self-attention with `use_causal_mask=True`,
+    residual; LayerNorm, Dense(4E, gelu), Dense(E), residual), then
+    Dense(E). `attention()` makes each block's attention layer."""
+    import keras
+
+    inputs = keras.Input((unit["T"], features), batch_size=unit["B"])
+    x = inputs  # (B, T, E)
+    for _ in range(unit["layers"]):
+        h = keras.layers.LayerNormalization()(x)
+        x = x + attention()(h, h, use_causal_mask=True)
+        h = keras.layers.LayerNormalization()(x)
+        h = keras.layers.Dense(4 * features, activation="gelu")(h)
+        x = x + keras.layers.Dense(features)(h)
+    return keras.Model(inputs, keras.layers.Dense(features)(x))
+
+
 # -------------------------------------------------------------------- units
 
 
@@ -174,17 +200,18 @@ class Worker:
         """One unit's result. `skip_compilers`: `{compiler: why}`, the
         candidates not to try (the parent saw their first call hang)."""
         self.skip_compilers = dict(skip_compilers or {})
-        if unit["kind"] == "matmul":
+        if unit["kind"] in ("matmul", "projection"):
             return self.matmul(unit)
-        if unit["kind"] in ("decode", "floor", "generate", "prefill"):
+        if unit["kind"] in ("fit", "decode", "floor", "generate", "prefill"):
             return getattr(self, unit["kind"])(unit)
         # An attention or a feature unit.
         return self.attention(unit, history, memory_cap_bytes)
 
     # --- timing
 
-    def time_calls(self, fn, repeats, on_warm=None):
-        """One warm-up call, then up to `repeats` timed calls: a result.
+    def time_calls(self, fn, repeats, on_warm=None, warmup=1):
+        """`warmup` untimed calls (the first compiles: `first_call_s`), then
+        up to `repeats` timed calls: a result.
 
         Fewer calls are timed when they would take longer than the time
         cap together (at least one).
@@ -197,8 +224,10 @@ class Worker:
         del out
         if on_warm is not None:
             on_warm(first)
-        warm = first
+        warm, extra = first, warmup - 1
         if first < 1.0 and repeats > 1:  # a warm call sets the repeat count
+            extra = max(extra, 1)
+        for _ in range(extra):
             started = time.perf_counter()
             out = fn()
             block(out)
@@ -227,8 +256,9 @@ class Worker:
             "rss_peak_bytes": absolute,
         }
 
-    def time_candidates(self, candidates, repeats):
-        """Times the first candidate that runs; notes why others did not.
+    def time_candidates(self, candidates, repeats, warmup=1):
+        """Times the first candidate that runs (`time_calls`); notes why
+        others did not.
 
         The parent hears `trying` before each candidate's first call and
         `warm` after it, so it can give compilation its own deadline; a
@@ -248,7 +278,8 @@ class Worker:
                        "fallback": not last})
             try:
                 result = self.time_calls(fn, repeats, on_warm=lambda first: (
-                    self.emit({"event": "warm", "first_call_s": first})))
+                    self.emit({"event": "warm", "first_call_s": first})),
+                    warmup=warmup)
             except Exception as error:
                 if is_oom(error) or last:
                     raise
@@ -269,13 +300,15 @@ class Worker:
     def _random(self, shape):
         return self.rng.standard_normal(shape, dtype=np.float32)
 
-    def _layer(self, cls, t_len, **kwargs):
+    def _layer(self, cls, t_len, batch=None, **kwargs):
+        """A built `cls` layer of the config's heads for inputs `(B, T, E)`,
+        `B` = `batch` (the matrix's by default)."""
         config = self.config
         layer = cls(
             num_heads=config["num_heads"], key_dim=config["key_dim"],
             kernel_initializer="zeros", bias_initializer="zeros", **kwargs,
         )
-        shape = (config["batch"], t_len, config["num_heads"]
+        shape = (batch or config["batch"], t_len, config["num_heads"]
                  * config["key_dim"])
         layer.build(shape, shape)
         # NumPy weights: no random kernels to compile, the same every run.
@@ -295,13 +328,13 @@ class Worker:
     def _cell(self, unit):
         """The built layer and input (and segment ids), or q, k, v, of
         `unit`'s cell."""
-        key = (unit["impl"], unit["T"], unit["w"], unit["causal"],
+        key = (unit["impl"], unit["B"], unit["T"], unit["w"], unit["causal"],
                unit.get("feature"))
         if key == self._setup_key:
             return self._setup
         self.drop_setup()
         config, impl = self.config, unit["impl"]
-        batch, t_len = config["batch"], unit["T"]
+        batch, t_len = unit["B"], unit["T"]
         heads, head = config["num_heads"], config["key_dim"]
         if plan.SCOPE[impl] == "layer":
             import keras_mha
@@ -310,8 +343,8 @@ class Worker:
                    else keras_mha.MultiHeadAttention)
             arguments, segments = self._layer_arguments(unit)
             setup = {
-                "layer": self._layer(cls, t_len, sliding_window=unit["w"],
-                                     **arguments),
+                "layer": self._layer(cls, t_len, batch,
+                                     sliding_window=unit["w"], **arguments),
                 "x": self.backend.tensor(
                     self._random((batch, t_len, heads * head))),
                 "segment_ids": self.backend.tensor(
@@ -339,7 +372,7 @@ class Worker:
             num_heads=config["num_heads"], key_dim=config["key_dim"],
             sliding_window=unit["w"], **arguments,
         )
-        shape = (config["batch"], unit["T"],
+        shape = (unit["B"], unit["T"],
                  config["num_heads"] * config["key_dim"])  # (B, T, E)
         return layer.attention_path(shape, shape,
                                     use_causal_mask=unit["causal"],
@@ -372,9 +405,9 @@ class Worker:
         elif banded:
             block = default_block_size(window_sides(window, causal))
             analytic = plan.banded_bytes(self.config, unit["T"], window,
-                                         causal, block)
+                                         causal, block, unit["B"])
         else:
-            analytic = plan.dense_bytes(self.config, unit["T"])
+            analytic = plan.dense_bytes(self.config, unit["T"], unit["B"])
         return ("banded" if banded else "dense"), path, analytic
 
     def core_fn(self, unit):
@@ -422,16 +455,74 @@ class Worker:
         result = self.time_candidates(candidates, self.config["repeats"])
         return {**result, **extra}
 
-    # --- yardstick and decode
+    # --- yardsticks, fit and decode
 
     def matmul(self, unit):
-        size = unit["size"]
-        a, b = (self.backend.tensor(self._random((size, size)))
-                for _ in range(2))
+        """A float32 matmul rate: the square one (`size`), or a projection's
+        `(B*T, E) @ (E, N*H)` (`shape`), compiled as the backend compiles
+        (`Backend.matmul`)."""
+        if unit["kind"] == "projection":
+            rows, inner, columns = unit["shape"]
+            count = plan.projection_flops(unit)
+        else:
+            rows = inner = columns = unit["size"]
+            count = 2 * unit["size"] ** 3
+        a = self.backend.tensor(self._random((rows, inner)))
+        b = self.backend.tensor(self._random((inner, columns)))
         result = self.time_candidates(
             [(self.backend.compiler, self.backend.matmul(a, b))],
             unit["repeats"])
-        result["gflops"] = 2 * size**3 / result["time_s"] / 1e9
+        result["gflops"] = count / result["time_s"] / 1e9
+        return result
+
+    def fit(self, unit):
+        """One `train_on_batch` step (mean squared error, Adam) of
+        `transformer` with our layer (`sliding_window=w`) or Keras's
+        (causal, no window: the causal transformer Keras builds; its own
+        `sliding_window` is a dense `(T, T)` mask, which XLA took over six
+        minutes to constant-fold at T=4096 on a 2-core CPU, against seconds
+        for the causal mask alone), compiled as Keras compiles a model:
+        `jit_compile=True` (XLA on jax and tensorflow, `torch.compile` on
+        torch), else `jit_compile=False` where that fails or its first step
+        does not finish in time. `jit_compile` in the result is what Keras
+        ran (it turns it off for a model with a layer that does not support
+        it); `first_call_s` is the first step, compilation included, before
+        `warmup - 1` more untimed steps (the first few after it can still be
+        slow under `torch.compile`)."""
+        import keras_mha
+
+        self.drop_setup()
+        keras = self.keras
+        keras.utils.set_random_seed(0)  # the same initial weights each run
+        config = self.config
+        heads = {"num_heads": config["num_heads"],
+                 "key_dim": config["key_dim"]}
+        attention = (
+            functools.partial(keras.layers.MultiHeadAttention, **heads)
+            if unit["impl"] == "keras" else
+            functools.partial(keras_mha.MultiHeadAttention, **heads,
+                              sliding_window=unit["w"]))
+        features = config["num_heads"] * config["key_dim"]  # E
+        model = transformer(attention, unit, features)
+        shape = (unit["B"], unit["T"], features)  # (B, T, E)
+        x, y = (self.backend.tensor(self._random(shape)) for _ in range(2))
+
+        def step(jit):
+            compiled = []
+
+            def run():
+                if not compiled:  # the first call compiles, in its time
+                    model.compile(optimizer="adam", loss="mse",
+                                  jit_compile=jit)
+                    compiled.append(jit)
+                return model.train_on_batch(x, y)
+
+            return run
+
+        result = self.time_candidates(
+            [(f"jit_compile={jit}", step(jit)) for jit in (True, False)],
+            unit["repeats"], unit["warmup"])
+        result["jit_compile"] = bool(model.jit_compile)
         return result
 
     def _decode_layer(self, unit):
