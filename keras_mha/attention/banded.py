@@ -42,8 +42,10 @@ IMPLEMENTATIONS = (PORTABLE, NATIVE)
 
 # The scores of one chunk of query blocks in the portable path (see
 # `_portable_core`): small enough for the cache and for the allocator to
-# reuse, large enough for few iterations.
-CHUNK_BYTES = 4 << 20
+# reuse, large enough for few iterations. Measured on the 2-core CPU (whole
+# layer, T = 16384, w = 128, causal, forward): 8 MiB took 215 ms on
+# TensorFlow (XLA) against 224 for 4 MiB and 240 for 2 MiB; JAX was even.
+CHUNK_BYTES = 8 << 20
 
 # Default query block (see `default_block_size`).
 _MIN_BLOCK = 32
@@ -416,19 +418,24 @@ def _chunk_attention(band, rate, soft_cap, use_alibi, use_sinks):
         if use_alibi:
             scores = ops.add(scores, alibi)
         m_c = m_c[:, None, :, :, None, :]  # (B|1, 1, C, b, 1, span)
-        # A row with no allowed key is uniform (or all on its sink) here;
-        # the caller zeroes it.
+        scores = ops.where(
+            m_c, scores, ops.cast(logits.MASKED_LOGIT, scores.dtype)
+        )
+        # The softmax with its division deferred to the output, `(b, G, V)`
+        # per block instead of `(b, G, span)`. A row with no allowed key is
+        # uniform (or all on its sink) here; the caller zeroes it.
+        top = ops.max(scores, axis=-1, keepdims=True)
         if use_sinks:
-            weights = logits.weights(scores, m_c, sinks)
-        else:
-            scores = ops.where(
-                m_c, scores, ops.cast(logits.MASKED_LOGIT, scores.dtype)
-            )
-            weights = _softmax(scores)
+            top = ops.maximum(top, sinks)
+        weights = ops.exp(ops.subtract(scores, top))
+        total = ops.sum(weights, axis=-1, keepdims=True)  # (B, K, C, b, G, 1)
+        if use_sinks:
+            total = ops.add(total, ops.exp(ops.subtract(sinks, top)))
         if rate:
             kept = ops.cast(inputs[4], weights.dtype)  # (B, K, C, b, G, span)
             weights = ops.multiply(weights, ops.multiply(kept, 1.0 / (1.0 - rate)))
         out = ops.einsum("bkcrgs,bkcsv->bkcrgv", weights, v_c)
+        out = ops.divide(out, total)
         return carry, out  # (B, K, C, b, G, V)
 
     return attend
