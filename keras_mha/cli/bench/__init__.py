@@ -12,7 +12,7 @@ keras, ours and ours_core), it times the forward and forward+backward
 - `ours` - `keras_mha.MultiHeadAttention(sliding_window=w)`, whole layer;
 - `ours_core` - our attention core on projected q, k, v `(B, T, N, H)`:
   `banded_attention` with a window, what `keras_mha.attention.attend`
-  picks without (fused, or triangular where the dispatch rule says so);
+  picks without (blocked, triangular or fused, as the dispatch rule says);
 - `native` - torch `flex_attention` under `torch.compile` with a sliding-
   window block mask (forward only: no CPU backward; the block-mask build is
   timed separately), jax `jax.nn.dot_product_attention(is_causal=True,

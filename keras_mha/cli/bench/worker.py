@@ -412,7 +412,7 @@ class Worker:
 
     def core_fn(self, unit):
         """Our attention core: the banded function with a window, else what
-        the one entry `attend` runs (the triangular path where the rule
+        the one entry `attend` runs (the blocked or triangular path where the rule
         picks it, the fused one otherwise)."""
         from keras_mha.attention import AttentionSpec
         from keras_mha.attention import attend
