@@ -412,8 +412,8 @@ class Worker:
 
     def core_fn(self, unit):
         """Our attention core: the banded function with a window, else what
-        the one entry `attend` runs (the blocked or triangular path where the rule
-        picks it, the fused one otherwise)."""
+        the one entry `attend` runs (the blocked or triangular path where
+        the rule picks it, the fused one otherwise)."""
         from keras_mha.attention import AttentionSpec
         from keras_mha.attention import attend
         from keras_mha.attention import banded_attention
