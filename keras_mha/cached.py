@@ -292,17 +292,7 @@ def _check_cache(layer, layout, shapes, cache):
             "A cache needs inputs of rank 3 (batch, sequence, features). "
             f"Received: query.shape={shapes['query']}"
         )
-    if not hasattr(cache, "shape") or not hasattr(cache, "dtype"):
-        raise TypeError(
-            "`cache` must be a tensor (see `init_cache`). Received: "
-            f"cache of type {type(cache).__name__}"
-        )
-    dtype = keras.backend.standardize_dtype(cache.dtype)
-    if "float" not in dtype:
-        raise TypeError(
-            "`cache` must be a floating-point tensor (see `init_cache`). "
-            f"Received: cache.dtype={dtype}"
-        )
+    checks.cache_tensor(cache)
     _check_cache_heads(layer)
     expected = (
         shapes["query"][0], 2, None, layer._num_key_value_heads,

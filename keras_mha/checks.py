@@ -437,17 +437,7 @@ def cache_call(
                 f"query.shape={tuple(query.shape)}, "
                 f"{name}.shape={tuple(tensor.shape)}"
             )
-    if not hasattr(cache, "shape") or not hasattr(cache, "dtype"):
-        raise TypeError(
-            "`cache` must be a tensor (see `init_cache`). Received: "
-            f"cache of type {type(cache).__name__}"
-        )
-    dtype = keras.backend.standardize_dtype(cache.dtype)
-    if "float" not in dtype:
-        raise TypeError(
-            "`cache` must be a floating-point tensor (see `init_cache`). "
-            f"Received: cache.dtype={dtype}"
-        )
+    cache_tensor(cache)
     num_slots = window if window is not None else (
         cache.shape[1] if len(cache.shape) > 1 else None
     )
@@ -560,4 +550,19 @@ def call_arguments(
             use_causal_mask, attention_mask, layer._num_key_value_heads,
             layer._key_dim, layer._value_dim,
             layer._rolling_slots if layer.rolling_cache else None,
+        )
+
+
+def cache_tensor(cache):
+    """`cache` is a floating-point tensor."""
+    if not hasattr(cache, "shape") or not hasattr(cache, "dtype"):
+        raise TypeError(
+            "`cache` must be a tensor (see `init_cache`). Received: "
+            f"cache of type {type(cache).__name__}"
+        )
+    dtype = keras.backend.standardize_dtype(cache.dtype)
+    if "float" not in dtype:
+        raise TypeError(
+            "`cache` must be a floating-point tensor (see `init_cache`). "
+            f"Received: cache.dtype={dtype}"
         )

@@ -141,31 +141,27 @@ def can_serve(path, spec, shapes, backend=None):
             and not spec.return_weights
         )
     if path == BLOCKED:
-        return (
-            spec.causal
-            and spec.window is None
-            and static
-            and shapes.query_length == shapes.key_length
-            and spec.keys_at_own_positions
-            and spec.attention_mask is None
-            and spec.bias is None
-            and not spec.return_weights
-            and not spec.dropout
-            and spec.flash_attention is not True
-        )
+        return _causal_self_blocks(spec, shapes, static) and spec.bias is None
     if path == TRIANGULAR:
-        return (
-            spec.causal
-            and spec.window is None
-            and static
-            and shapes.query_length == shapes.key_length
-            and spec.keys_at_own_positions
-            and spec.attention_mask is None
-            and not spec.return_weights
-            and not spec.dropout
-            and spec.flash_attention is not True
-        )
+        return _causal_self_blocks(spec, shapes, static)
     raise ValueError(f"`path` must be one of {PATHS}. Received: path={path!r}")
+
+
+def _causal_self_blocks(spec, shapes, static):
+    """What `blocked` and `triangular` both need: causal self-attention
+    without a window, dense mask, cache, weights or dropout, at static
+    `T = S`, and no demand for the fused kernel's flash attention."""
+    return (
+        spec.causal
+        and spec.window is None
+        and static
+        and shapes.query_length == shapes.key_length
+        and spec.keys_at_own_positions
+        and spec.attention_mask is None
+        and not spec.return_weights
+        and not spec.dropout
+        and spec.flash_attention is not True
+    )
 
 
 def choose_path(spec, shapes, backend=None):
