@@ -129,6 +129,10 @@ class RotaryEmbedding(keras.layers.Layer):
         dtype = keras.backend.result_type(inputs.dtype, "float32")
         cos = ops.cast(ops.cos(angles), dtype)
         sin = ops.cast(ops.sin(angles), dtype)
+        if keras.backend.backend() == "torch":
+            from keras_mha.attention import kernels
+
+            return kernels.rotate_half(inputs, cos, sin, d)
         splits = [d // 2] if inputs.shape[-1] == d else [d // 2, d]
         x1, x2, *rest = ops.split(inputs, splits, axis=-1)  # rest: [d:]
         x1, x2 = ops.cast(x1, dtype), ops.cast(x2, dtype)
@@ -136,7 +140,8 @@ class RotaryEmbedding(keras.layers.Layer):
         rotated = ops.concatenate(
             [x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1
         )
-        return ops.concatenate([ops.cast(rotated, inputs.dtype), *rest], -1)
+        rotated = ops.cast(rotated, inputs.dtype)
+        return ops.concatenate([rotated, *rest], -1) if rest else rotated
 
     def get_config(self):
         config = super().get_config()

@@ -209,7 +209,8 @@ class TestBandedImplementations:
         [(True, 5, None), (False, (6, 0), None), (True, 5, 1.5),
          (False, (4, 3), 1.5)],
     )
-    def test_against_explicit(self, rng, causal, window, soft_cap):
+    def test_against_explicit(self, rng, monkeypatch, causal, window,
+                              soft_cap):
         from keras_mha.attention import banded
         from keras_mha.attention import explicit
         from keras_mha.attention.spec import AttentionSpec
@@ -238,25 +239,38 @@ class TestBandedImplementations:
                 q, k, v, spec, block_size=8, implementation=implementation
             )
             assert_close(got, to_numpy(expected), atol=2e-5, rtol=2e-5)
-        if BACKEND == "torch":  # gradients through the native features
+        if BACKEND == "torch":  # the native kernels' own gradients
             import torch
 
+            from keras_mha.attention import kernels
+
+            # Soft-capped blocks two at a time: steps of 2 and 1 blocks.
+            monkeypatch.setattr(kernels, "_CAP_CHUNK", 2)
+
             cotangent = torch.tensor(rng.normal(size=q.shape).astype("float32"))
-            grads = {}
-            for implementation in implementations:
-                sinks = torch.linspace(-1, 1, N).requires_grad_(True)
-                query = torch.tensor(q, requires_grad=True)
-                out = banded.banded_attention(
-                    query, k, v, spec.replace(sinks=sinks), block_size=8,
-                    implementation=implementation,
-                )
-                loss = (out * cotangent).sum()
-                grads[implementation] = [
-                    g.numpy()
-                    for g in torch.autograd.grad(loss, [query, sinks])
-                ]
-            for got, want in zip(grads[banded.NATIVE], grads[banded.PORTABLE]):
-                np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+            # With ALiBi and without it: sinks then take the kernel's
+            # log-sum-exp alone.
+            for case in (spec, spec.replace(alibi=None)):
+                grads = {}
+                for implementation in implementations:
+                    sinks = torch.linspace(-1, 1, N).requires_grad_(True)
+                    inputs = [
+                        torch.tensor(x, requires_grad=True) for x in (q, k, v)
+                    ]
+                    out = banded.banded_attention(
+                        *inputs, case.replace(sinks=sinks), block_size=8,
+                        implementation=implementation,
+                    )
+                    loss = (out * cotangent).sum()
+                    grads[implementation] = [
+                        g.numpy()
+                        for g in torch.autograd.grad(loss, [*inputs, sinks])
+                    ]
+                for got, want in zip(
+                    grads[banded.NATIVE], grads[banded.PORTABLE]
+                ):
+                    np.testing.assert_allclose(got, want, atol=1e-4,
+                                               rtol=1e-4)
 
 
 class TestAlibiSlopes:
