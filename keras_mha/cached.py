@@ -132,7 +132,9 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         if cache is not None and cache_update_index is not None:
             # Written in place where the backend allows (see
             # `attention.cache`); slots after the new ones are never read.
-            cache = cache_lib.write_pair(cache, k, v, cache_update_index)
+            cache, cached_k, cached_v = cache_lib.write_pair(
+                cache, k, v, cache_update_index
+            )
             limit = ops.cast(cache_update_index, "int32") + ops.shape(k)[1]
         spec = describe_lib.describe(
             self,
@@ -156,7 +158,9 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             )
             scores = None
         else:
-            if cache is not None:
+            if limit is not None:  # the keys and values just written
+                k, v = ops.cast(cached_k, q.dtype), ops.cast(cached_v, q.dtype)
+            elif cache is not None:
                 k = ops.cast(cache[:, 0], q.dtype)  # (B, S, K, H)
                 v = ops.cast(cache[:, 1], q.dtype)  # (B, S, K, V)
             if limit is not None:

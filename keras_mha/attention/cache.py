@@ -135,9 +135,30 @@ def _write_run(cache, new, start, rolling, axis=1):
 
 def write_pair(cache, key, value, index):
     """keras-hub's cache `(B, 2, S, K, H)` with `key` and `value`
-    `(B, T, K, H)` written at slots `index .. index + T - 1`."""
-    new = ops.stack([key, value], axis=1)  # (B, 2, T, K, H)
-    return _write_run(cache, ops.cast(new, cache.dtype), index, False, axis=2)
+    `(B, T, K, H)` written at slots `index .. index + T - 1`.
+
+    Returns:
+        `(cache, keys, values)`: the updated cache and its `(B, S, K, H)`
+        keys and values. Where the write is in place (torch, eager JAX)
+        they are slices of the cache; elsewhere (traced) the keys and the
+        values are written separately and stacked, as keras-hub does: the
+        attention then reads them without slicing the stacked cache
+        (measured in a jitted GPT-2 `generate`: each of the products' key
+        and value transposes took 4.3 us from the stacked cache against
+        2.1 us).
+    """
+    import keras_mha.attention.kernels as kernels
+
+    key, value = ops.cast(key, cache.dtype), ops.cast(value, cache.dtype)
+    if keras.backend.backend() in ("torch", "jax") and kernels.can_write_slots(
+        cache
+    ):
+        new = ops.stack([key, value], axis=1)  # (B, 2, T, K, H)
+        cache = _write_run(cache, new, index, False, axis=2)
+        return cache, cache[:, 0], cache[:, 1]
+    keys = _write_run(cache[:, 0], key, index, False)
+    values = _write_run(cache[:, 1], value, index, False)
+    return ops.stack([keys, values], axis=1), keys, values
 
 
 def attend_inputs(cache, key, value, key_mask, index, rolling):
