@@ -57,8 +57,13 @@ MASKS = {
 
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
-    """Blocks of 8 on the blocked path: `T = 24` is three of them."""
+    """Blocks of 8 on the blocked path and in decoding steps' reads of a
+    full cache: `T = 24` is three of them."""
+    from keras_mha.attention import decode
+
     monkeypatch.setattr(blocked, "_SMALL_BLOCK", 8)
+    monkeypatch.setattr(decode, "BLOCK_SIZES", {})
+    monkeypatch.setattr(decode, "BLOCK_SIZE", 8)
 
 
 def _inputs(rng):
