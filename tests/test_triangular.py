@@ -9,11 +9,8 @@ from test_banded import _heads
 from test_banded import _jit
 from test_banded import _padding
 from test_banded import _reference
-from util import assert_close
+from util import assert_causal_path_matches
 from util import attention_spec
-from util import make_keras_twin
-from util import make_layer
-from util import reference
 from util import to_numpy
 
 from keras_mha.attention import AttentionSpec
@@ -120,17 +117,6 @@ class TestLayerOnTheTriangle:
     def test_layer_matches_reference_and_keras(self, rng):
         length = 600
         x = rng.normal(size=(2, length, 8)).astype("float32")
-        mask = _padding(length, [length, 500])
-        layer = make_layer(x, x, num_heads=4, key_dim=4,
-                           num_key_value_heads=2)
-        expected, _ = reference(layer, x, x, use_causal_mask=True,
-                                query_mask=mask, value_mask=mask)
-        with dispatch.force_path(dispatch.TRIANGULAR):
-            out = layer(x, x, use_causal_mask=True, query_mask=mask,
-                        value_mask=mask)
-        assert_close(out, expected)
-        plain = make_layer(x, x, num_heads=2, key_dim=4)
-        with dispatch.force_path(dispatch.TRIANGULAR):
-            ours = plain(x, x, use_causal_mask=True)
-        keras_out = make_keras_twin(plain, x, x)(x, x, use_causal_mask=True)
-        assert_close(ours, to_numpy(keras_out))
+        assert_causal_path_matches(
+            dispatch.TRIANGULAR, x, _padding(length, [length, 500])
+        )

@@ -97,6 +97,29 @@ def assert_close(actual, expected, atol=1e-5, rtol=1e-5):
     )
 
 
+def assert_causal_path_matches(path, x, mask):
+    """A causal self-attention layer forced onto `path`: with grouped heads
+    and the padding `mask` `(B, T)`, the float64 reference; plain, Keras's
+    layer with the same weights."""
+    from keras_mha.attention import dispatch
+
+    layer = make_layer(x, x, num_heads=4, key_dim=4, num_key_value_heads=2)
+    expected, _ = reference(layer, x, x, use_causal_mask=True,
+                            query_mask=mask, value_mask=mask)
+    with dispatch.force_path(path):
+        assert layer.attention_path(
+            x.shape, x.shape, use_causal_mask=True, query_mask=True,
+            value_mask=True) == path
+        out = layer(x, x, use_causal_mask=True, query_mask=mask,
+                    value_mask=mask)
+    assert_close(out, expected)
+    plain = make_layer(x, x, num_heads=2, key_dim=4)
+    with dispatch.force_path(path):
+        ours = plain(x, x, use_causal_mask=True)
+    keras_out = make_keras_twin(plain, x, x)(x, x, use_causal_mask=True)
+    assert_close(ours, to_numpy(keras_out))
+
+
 def attention_spec(head, window=None, causal=False, **fields):
     """The `AttentionSpec` a layer with `key_dim=head` and
     `sliding_window=window` describes; `fields` fill the rest."""

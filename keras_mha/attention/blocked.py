@@ -85,13 +85,7 @@ def blocked_attention(query, key, value, spec, block_size=None):
 
     `T` must be static; `B` may be dynamic.
     """
-    length = query.shape[1]
-    if length is None or length != key.shape[1]:
-        raise ValueError(
-            "`blocked_attention` needs static, equal query and key "
-            f"lengths. Received: query.shape={query.shape}, "
-            f"key.shape={key.shape}"
-        )
+    length = explicit.static_self_length("blocked_attention", query, key)
     out_dtype = query.dtype
     query, key, value = explicit.upcast(query, key, value)
     batch = ops.shape(query)[0]

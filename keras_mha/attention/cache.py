@@ -111,11 +111,10 @@ def _write_run(cache, new, start, rolling, axis=1):
     `dynamic_update_slice` would write.
     """
     length, num_slots = new.shape[axis], cache.shape[axis]
-    if keras.backend.backend() in ("torch", "jax"):
+    if _writes_in_place(cache):
         import keras_mha.attention.kernels as kernels
 
-        if kernels.can_write_slots(cache):
-            return kernels.write_slots(cache, new, start, axis)
+        return kernels.write_slots(cache, new, start, axis)
     zero = ops.zeros((), "int32")
     if not rolling and not isinstance(start, int):
         start = ops.cast(start, "int32")
@@ -133,6 +132,16 @@ def _write_run(cache, new, start, rolling, axis=1):
     return ops.slice_update(cache, tuple(starts), new)
 
 
+def _writes_in_place(cache):
+    """Whether `kernels.write_slots` writes into `cache` itself (torch
+    without gradients, a concrete JAX array)."""
+    if keras.backend.backend() not in ("torch", "jax"):
+        return False
+    import keras_mha.attention.kernels as kernels
+
+    return kernels.can_write_slots(cache)
+
+
 def write_pair(cache, key, value, index):
     """keras-hub's cache `(B, 2, S, K, H)` with `key` and `value`
     `(B, T, K, H)` written at slots `index .. index + T - 1`.
@@ -147,12 +156,8 @@ def write_pair(cache, key, value, index):
         and value transposes took 4.3 us from the stacked cache against
         2.1 us).
     """
-    import keras_mha.attention.kernels as kernels
-
     key, value = ops.cast(key, cache.dtype), ops.cast(value, cache.dtype)
-    if keras.backend.backend() in ("torch", "jax") and kernels.can_write_slots(
-        cache
-    ):
+    if _writes_in_place(cache):
         new = ops.stack([key, value], axis=1)  # (B, 2, T, K, H)
         cache = _write_run(cache, new, index, False, axis=2)
         return cache, cache[:, 0], cache[:, 1]

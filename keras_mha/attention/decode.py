@@ -265,7 +265,7 @@ def _packed_query(q, width):
     the slots (measured under `jax.jit`, 65,536 slots, p = 64k: the two
     transposes took 41 of the step's 55 ms).
     """
-    batch, num_kv, groups, _, head = q.shape
+    num_kv, groups, head = q.shape[1], q.shape[2], q.shape[4]
     batch = ops.shape(q)[0]
     q = ops.transpose(q[:, :, :, 0], (0, 3, 1, 2))  # (B, H, K, G)
     if width > head:

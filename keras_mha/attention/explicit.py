@@ -26,6 +26,19 @@ def upcast(*tensors):
     ]
 
 
+def static_self_length(path, query, key):
+    """`T` of a causal self-attention path (`blocked`, `triangular`), whose
+    blocks need static, equal query and key lengths; a `ValueError`
+    otherwise."""
+    length = query.shape[1]
+    if length is None or length != key.shape[1]:
+        raise ValueError(
+            f"`{path}` needs static, equal query and key lengths. Received: "
+            f"query.shape={query.shape}, key.shape={key.shape}"
+        )
+    return length
+
+
 def explicit_attention(query, key, value, spec):
     """Attention as `spec` asks, with the weights.
 

@@ -34,13 +34,7 @@ def triangular_attention(query, key, value, spec, block_size=BLOCK_SIZE):
 
     The blocks are a Python loop over static slices: `T` must be static.
     """
-    length = query.shape[1]
-    if length is None or length != key.shape[1]:
-        raise ValueError(
-            "`triangular_attention` needs static, equal query and key "
-            f"lengths. Received: query.shape={query.shape}, "
-            f"key.shape={key.shape}"
-        )
+    length = explicit.static_self_length("triangular_attention", query, key)
     outputs = []
     for start in range(0, length, block_size):
         stop = min(length, start + block_size)

@@ -366,6 +366,14 @@ def _mode(cells, backend, length, window, impl, mode, causal=True):
         f" ({result['reason']})" if result.get("reason") else "")
 
 
+def _add_columns(table, columns, left):
+    """`columns` added to a rich `table`: those in `left` left-justified,
+    the others (numbers) right-justified."""
+    for column in columns:
+        table.add_column(column,
+                         justify="left" if column in left else "right")
+
+
 def _w(window):
     return "none" if window is None else window
 
@@ -1101,10 +1109,9 @@ def print_fit(console, rows):
         "median s per step after the first (compilation included); vs "
         "keras = keras time / this time.", soft_wrap=True)
     table = Table(title="fit step")
-    for column in ("backend", "attention", "jit_compile", "first step s",
-                   "step s", "vs keras"):
-        table.add_column(column, justify="left" if column in (
-            "backend", "attention", "jit_compile") else "right")
+    _add_columns(table, ("backend", "attention", "jit_compile",
+                         "first step s", "step s", "vs keras"),
+                 left=("backend", "attention", "jit_compile"))
     footnotes = []
     for row in rows:
         measured = _ok(row)
@@ -1217,10 +1224,9 @@ def print_generate(console, rows):
         f"{plan.GPT2['num_heads']} heads, E={plan.GPT2['hidden_dim']}), "
         f"greedy, prompt {first['prompt_length']}, max_length "
         f"{first['max_length']}; as keras-hub compiles it"))
-    for column in ("backend", "attention", "tokens/s", "ms/token",
-                   "x keras-hub", "tokens"):
-        table.add_column(column, justify="left" if column in (
-            "backend", "attention", "tokens") else "right")
+    _add_columns(table, ("backend", "attention", "tokens/s", "ms/token",
+                         "x keras-hub", "tokens"),
+                 left=("backend", "attention", "tokens"))
     footnotes = []
     for row in rows:
         if _ok(row):
@@ -1247,10 +1253,9 @@ def print_prefill(console, rows):
         f"prefill: T={rows[0]['T']} through our layer's cache at "
         "cache_update_index=0 against the same forward without a cache, "
         "median ms"))
-    for column in ("backend", "w", "cache", "mode", "ms", "x no cache",
-                   "path"):
-        table.add_column(column, justify="right" if column in (
-            "ms", "x no cache") else "left")
+    _add_columns(table, ("backend", "w", "cache", "mode", "ms", "x no cache",
+                         "path"),
+                 left=("backend", "w", "cache", "mode", "path"))
     footnotes = []
     # Each window's modes in turn, the baseline above its cache.
     backends = list(dict.fromkeys(row["backend"] for row in rows))
@@ -1295,10 +1300,9 @@ def print_features(console, rows):
         table = Table(title=f"features, {backend}, T={first['T']}, "
                       f"w={_w(first['w'])}"
                       f"{', causal' if first['causal'] else ''}")
-        for column in ("feature", "path", "fwd ms", "x plain", "fwd+bwd ms",
-                       "x plain", "target"):
-            table.add_column(column, justify="left" if column in (
-                "feature", "path", "target") else "right")
+        _add_columns(table, ("feature", "path", "fwd ms", "x plain",
+                             "fwd+bwd ms", "x plain", "target"),
+                     left=("feature", "path", "target"))
         for row in rows:
             if row["backend"] != backend:
                 continue
