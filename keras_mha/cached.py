@@ -159,6 +159,8 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             scores = None
         else:
             if limit is not None:  # the keys and values just written
+                if cached_k is None:  # written in place
+                    cached_k, cached_v = cache[:, 0], cache[:, 1]
                 k, v = ops.cast(cached_k, q.dtype), ops.cast(cached_v, q.dtype)
             elif cache is not None:
                 k = ops.cast(cache[:, 0], q.dtype)  # (B, S, K, H)

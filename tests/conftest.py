@@ -41,3 +41,22 @@ def _fresh_session():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+def _decode_implementations():
+    from keras_mha.attention import decode
+
+    if decode.native_available():
+        return [decode.PORTABLE, decode.NATIVE]
+    return [decode.PORTABLE]
+
+
+@pytest.fixture(params=_decode_implementations())
+def decode_implementation(request, monkeypatch):
+    """Eager decoding steps on each implementation the backend has: the
+    portable block loop everywhere, torch's fused kernel (`native`) too.
+    `native` serves the steps it can (eager, with a value for the index)."""
+    from keras_mha.attention import decode
+
+    monkeypatch.setattr(decode, "IMPLEMENTATION", request.param)
+    return request.param

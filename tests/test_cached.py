@@ -104,6 +104,7 @@ class TestAgainstKerasHub:
 
     @pytest.mark.parametrize("scores", [False, True], ids=["out", "scores"])
     @pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
+    @pytest.mark.usefixtures("decode_implementation")
     def test_prefill_then_steps(self, rng, scores, blocks, monkeypatch):
         """Prefill 3 tokens at index 0, then one token at a time: a cache of
         one block is read whole, a longer one block by block (here blocks
@@ -356,6 +357,7 @@ _FEATURES = {
 class TestFeatures:
     @pytest.mark.parametrize("feature", list(_FEATURES))
     @pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
+    @pytest.mark.usefixtures("decode_implementation")
     def test_cached_loop_equals_reference(self, rng, feature, blocks,
                                           monkeypatch):
         """Prefill then steps, with keras-hub's causal mask, equals the

@@ -121,6 +121,7 @@ class TestGroupedHeads:
             )
 
 
+@pytest.mark.usefixtures("decode_implementation")
 class TestDecoding:
     @pytest.mark.parametrize("window", [None, 3])
     @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
@@ -179,6 +180,37 @@ class TestDecoding:
         # holds position 0, outside the window.
         np.testing.assert_array_equal(scores[..., 0], 0.0)
         np.testing.assert_allclose(scores.sum(-1), 1.0, atol=1e-6)
+
+    def test_eager_steps_write_in_place(self, rng):
+        """An eager step writes its slots into the cache it was given:
+        torch and TensorFlow return that tensor, JAX donates it; under a
+        TensorFlow gradient tape the write is a copy."""
+        x = rng.normal(size=(1, 5, 8)).astype("float32")
+        layer = make_layer(x, x, num_heads=2, key_dim=4)
+        _, cache = layer(x[:, :3], x[:, :3], use_causal_mask=True,
+                         cache=layer.init_cache(1, 5), cache_update_index=0)
+
+        def step(cache, index):
+            return layer(x[:, index : index + 1], x[:, index : index + 1],
+                         use_causal_mask=True, cache=cache,
+                         cache_update_index=index)[1]
+
+        written = step(cache, 3)
+        if BACKEND in ("torch", "tensorflow"):
+            assert written is cache
+        elif BACKEND == "jax":
+            assert cache.is_deleted()
+        flags = to_numpy(written)[0, :, 0, -1]
+        np.testing.assert_array_equal(flags, [1, 1, 1, 1, 0])
+        if BACKEND == "tensorflow":
+            import tensorflow as tf
+
+            with tf.GradientTape():
+                copied = step(written, 4)
+            assert copied is not written
+            np.testing.assert_array_equal(to_numpy(written)[0, :, 0, -1],
+                                          flags)
+            np.testing.assert_array_equal(to_numpy(copied)[0, :, 0, -1], 1)
 
     def test_compiled_step_with_tensor_index(self, rng):
         """A decode step with a tensor index, compiled where the backend can

@@ -315,6 +315,7 @@ class TestGradients:
         assert np.all(np.abs(sinks_grad) > 0)
 
 
+@pytest.mark.usefixtures("decode_implementation")
 class TestDecoding:
     @pytest.mark.parametrize("window", [None, (5, 0), 4])
     def test_step_by_step_equals_full_pass(self, rng, window):

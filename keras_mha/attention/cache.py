@@ -11,8 +11,8 @@ slot `p mod w`, so it never grows. Which position a slot holds is derived
 from the write index alone; nothing else is stored.
 
 Writes touch the new slots only, in place where the backend allows
-(`kernels.write_slots`: torch, eager JAX); `decode.py` reads the cache a
-block of slots at a time, each block one contiguous run.
+(`kernels.write_slots`: torch, eager JAX and TensorFlow); `decode.py`
+reads the cache a block of slots at a time, each block one contiguous run.
 """
 
 import numbers
@@ -134,8 +134,9 @@ def _write_run(cache, new, start, rolling, axis=1):
 
 def _writes_in_place(cache):
     """Whether `kernels.write_slots` writes into `cache` itself (torch
-    without gradients, a concrete JAX array)."""
-    if keras.backend.backend() not in ("torch", "jax"):
+    without gradients, a concrete JAX array, an eager TensorFlow tensor
+    outside a gradient tape)."""
+    if keras.backend.backend() not in ("torch", "jax", "tensorflow"):
         return False
     import keras_mha.attention.kernels as kernels
 
@@ -148,10 +149,12 @@ def write_pair(cache, key, value, index):
 
     Returns:
         `(cache, keys, values)`: the updated cache and its `(B, S, K, H)`
-        keys and values. Where the write is in place (torch, eager JAX)
-        they are slices of the cache; elsewhere (traced) the keys and the
-        values are written separately and stacked, as keras-hub does: the
-        attention then reads them without slicing the stacked cache
+        keys and values. Where the write is in place (torch, eager JAX and
+        TensorFlow) keys and values are `None`: the cache's halves hold
+        them, sliced only where needed (an eager TensorFlow slice copies).
+        Elsewhere (traced) the keys and the values are written separately
+        and stacked, as keras-hub does: the attention then reads them
+        without slicing the stacked cache
         (measured in a jitted GPT-2 `generate`: each of the products' key
         and value transposes took 4.3 us from the stacked cache against
         2.1 us).
@@ -159,8 +162,7 @@ def write_pair(cache, key, value, index):
     key, value = ops.cast(key, cache.dtype), ops.cast(value, cache.dtype)
     if _writes_in_place(cache):
         new = ops.stack([key, value], axis=1)  # (B, 2, T, K, H)
-        cache = _write_run(cache, new, index, False, axis=2)
-        return cache, cache[:, 0], cache[:, 1]
+        return _write_run(cache, new, index, False, axis=2), None, None
     keys = _write_run(cache[:, 0], key, index, False)
     values = _write_run(cache[:, 1], value, index, False)
     return ops.stack([keys, values], axis=1), keys, values

@@ -11,6 +11,11 @@ Python loop; when it is traced (`jax.jit`, `tf.function`) they are a
 `keras.ops.while_loop` whose trip count is a tensor, so the step traces
 once. A rolling cache (one token at a time) is one block of its `w` slots.
 
+Eager steps take a native route where the backend has one (`kernels.py`):
+on torch, one call of the fused attention kernel over every slot below the
+limit, on strided views of the cache; on TensorFlow, the traced loop as a
+graph function, which saves the loop's per-op Python dispatch.
+
 Shapes: query `(B, T, N, H)`; the cache `(B, L, K, H + V + 1)` (see
 `cache.py`). The numbers are those of `explicit.explicit_attention` with
 the spec's keys at their slots' positions: scale, soft-cap, ALiBi, sinks,
@@ -36,9 +41,27 @@ PAIR = "pair"  # keras-hub's: (B, 2, L, K, H), keys at [:, 0], values at [:, 1]
 # p = 1k; under `jax.jit`, 1,024 took 57 ms at p = 64k and 1.6 ms at
 # p = 1k, and 4,096 was 3-8x slower at both. With the packed products
 # (`_packed_query`), jitted: 512 / 1,024 / 2,048 / 4,096 took 53 / 42 /
-# 38 / 37 ms at p = 64k and 0.95 / 1.5 / 2.0 / 3.7 ms at p = 1.
+# 38 / 37 ms at p = 64k and 0.95 / 1.5 / 2.0 / 3.7 ms at p = 1. Eager
+# torch steps now read all the slots at once (`kernels.decode_core`); its
+# blocks serve traced steps and the portable implementation.
 BLOCK_SIZES = {"torch": 4096}
 BLOCK_SIZE = 1024
+
+PORTABLE = "portable"  # the loop over key blocks, `keras.ops` only
+NATIVE = "native"  # eager steps: torch's fused kernel, TensorFlow's graph
+IMPLEMENTATIONS = (PORTABLE, NATIVE)
+# The implementation of eager steps; `None`: the native one where it
+# exists. Tests set it to run both.
+IMPLEMENTATION = None
+
+# The native step's additive bias is `(B, K|1, G·T, S)` floats: above this
+# many per batch row (64 MiB), the step reads blocks instead.
+_NATIVE_BIAS_LIMIT = 1 << 24
+
+
+def native_available(backend=None):
+    """Whether the native step exists for the backend (torch, tensorflow)."""
+    return (backend or keras.backend.backend()) in ("torch", "tensorflow")
 
 
 def block_size_for(backend=None):
@@ -47,7 +70,7 @@ def block_size_for(backend=None):
 
 
 def decode_attention(query, cache, spec, rolling, block_size=None,
-                     layout=FLAGGED, limit=None):
+                     layout=FLAGGED, limit=None, implementation=None):
     """Attention of `query` over `cache` after this step's write.
 
     Args:
@@ -64,10 +87,26 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         layout: `FLAGGED` or `PAIR`.
         limit: no slot at or after it is read; the last query's position
             plus 1 if `None`.
+        implementation: `"portable"` (the block loop, op by op in an
+            eager call), `"native"` (every eager step on the backend's own
+            route: torch's fused kernel over the slots below the limit at
+            once, `kernels.decode_core`; on TensorFlow the block loop as
+            one graph function, `kernels.graph_decode`) or `None`:
+            `IMPLEMENTATION`, else the native route where it exists (on
+            torch while its bias stays below `_NATIVE_BIAS_LIMIT`).
+            Traced steps always run the portable loop.
 
     Returns:
         `(B, T, N, V)` in the query's dtype.
     """
+    implementation = _implementation(implementation)
+    if implementation != PORTABLE and _eager_tensorflow():
+        import keras_mha.attention.kernels as kernels
+
+        return kernels.graph_decode(
+            decode_attention, query, cache, spec, rolling, block_size,
+            layout, limit,
+        )
     out_dtype = query.dtype
     pair = layout == PAIR
     num_slots = cache.shape[2] if pair else cache.shape[1]
@@ -93,6 +132,33 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
     query_mask = spec.query_mask
     if query_mask is None:
         query_mask = ops.ones((batch, t_len), "bool")
+    slopes = None
+    if spec.alibi is not None:
+        slopes = ops.convert_to_tensor(spec.alibi, dtype)
+        slopes = ops.reshape(slopes, (1, num_kv, groups, 1, 1))
+    dense = spec.attention_mask
+    if dense is not None:  # (B|1, N|1, T|1, L) -> (B|1, K|1, G|1, T|1, L)
+        lead, heads = dense.shape[0], dense.shape[1]
+        dense = ops.reshape(
+            dense,
+            (-1 if lead != 1 else 1,)
+            + ((num_kv, groups) if heads != 1 else (1, 1))
+            + tuple(dense.shape[2:]),
+        )
+        dense = ops.cast(dense, "bool")
+    blocks = 1 if rolling else _concrete_blocks(limit, block)
+    sinks = None
+    if spec.sinks is not None:
+        sinks = ops.reshape(ops.cast(spec.sinks, dtype), (num_kv, groups))
+    if _takes_native(implementation, blocks, q, num_slots, slopes, dense):
+        size = num_slots if rolling else min(
+            cache_lib.concrete_int(limit), num_slots
+        )
+        out = _native_step(
+            q, cache, size, limit, query_positions, query_mask, spec, rolling,
+            pair, key_dim, value_dim, slopes, dense, sinks,
+        )
+        return _heads_back(out, out_dtype)
     shape = (batch, num_kv, groups, t_len)
     state = (
         ops.zeros((), "int32"),  # the block
@@ -108,25 +174,15 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         width = key_dim if pair else cache.shape[3]
         q = _packed_query(q, width)
     constants = (q, cache, limit, query_positions, query_mask)
-    if spec.alibi is not None:
-        slopes = ops.convert_to_tensor(spec.alibi, dtype)
-        constants += (ops.reshape(slopes, (1, num_kv, groups, 1, 1)),)
-    dense = spec.attention_mask
-    if dense is not None:  # (B|1, N|1, T|1, L) -> (B|1, K|1, G|1, T|1, L)
-        lead, heads = dense.shape[0], dense.shape[1]
-        dense = ops.reshape(
-            dense,
-            (-1 if lead != 1 else 1,)
-            + ((num_kv, groups) if heads != 1 else (1, 1))
-            + tuple(dense.shape[2:]),
-        )
-        constants += (ops.cast(dense, "bool"),)
+    if slopes is not None:
+        constants += (slopes,)
+    if dense is not None:
+        constants += (dense,)
     cond, body = _loop(
         block, num_slots, rolling, key_dim, value_dim, spec.causal,
-        spec.window, spec.soft_cap, spec.alibi is not None, dense is not None,
+        spec.window, spec.soft_cap, slopes is not None, dense is not None,
         pair, (num_kv, groups) if packed else None,
     )
-    blocks = 1 if rolling else _concrete_blocks(limit, block)
     if blocks is None:  # traced: the trip count is a tensor
         state = ops.while_loop(cond, body, state + constants)
     else:
@@ -134,20 +190,118 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         for _ in range(blocks):
             state = body(*state)
     _, top, total, numerator = state[:4]
-    if spec.sinks is not None:
-        sinks = ops.reshape(
-            ops.cast(spec.sinks, dtype), (1, num_kv, groups, 1, 1)
-        )
+    if sinks is not None:
+        sinks = ops.reshape(sinks, (1, num_kv, groups, 1, 1))
         new_top = ops.maximum(top, sinks)
         rescale = ops.exp(top - new_top)
         total = total * rescale + ops.exp(sinks - new_top)
         numerator = numerator * rescale
     out = ops.divide(numerator, ops.maximum(total, 1e-30))
     out = ops.where(total > 0, out, ops.zeros_like(out))  # (B, K, G, T, V)
+    return _heads_back(out, out_dtype)
+
+
+def _heads_back(out, dtype):
+    """`(B, K, G, T, V)` -> `(B, T, N, V)` in `dtype`."""
+    batch, num_kv, groups, t_len, value_dim = (
+        ops.shape(out)[0], *out.shape[1:]
+    )
     out = ops.transpose(out, (0, 3, 1, 2, 4))
     return ops.cast(
-        ops.reshape(out, (batch, t_len, num_heads, value_dim)), out_dtype
+        ops.reshape(out, (batch, t_len, num_kv * groups, value_dim)), dtype
     )
+
+
+def _implementation(implementation):
+    """The implementation asked for (`decode_attention`'s argument, else
+    `IMPLEMENTATION`), checked: `PORTABLE`, `NATIVE`, or `None` (the native
+    route where it serves the step)."""
+    if implementation is None:
+        implementation = IMPLEMENTATION
+    if implementation not in IMPLEMENTATIONS + (None,):
+        raise ValueError(
+            f"Argument `implementation` must be one of {IMPLEMENTATIONS} or "
+            f"`None`. Received: implementation={implementation!r}"
+        )
+    if implementation == NATIVE and not native_available():
+        raise ValueError(
+            "`implementation='native'` exists only on the torch and "
+            "tensorflow backends. "
+            f"Received: backend={keras.backend.backend()!r}"
+        )
+    return implementation
+
+
+def _eager_tensorflow():
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return tf.executing_eagerly()
+
+
+def _takes_native(implementation, blocks, q, num_slots, slopes, dense):
+    """Whether a torch step runs `kernels.decode_core` (see
+    `decode_attention`'s `implementation`)."""
+    if implementation == PORTABLE or keras.backend.backend() != "torch":
+        return False
+    if blocks is None:  # traced (`torch.compile`): the limit has no value
+        return False
+    if implementation == NATIVE:
+        return True
+    _, num_kv, groups, t_len, _ = q.shape
+    varies = slopes is not None or (dense is not None and dense.shape[1] > 1)
+    return (num_kv if varies else 1) * groups * t_len * num_slots <= (
+        _NATIVE_BIAS_LIMIT
+    )
+
+
+def _native_step(q, cache, size, limit, query_positions, query_mask, spec,
+                 rolling, pair, key_dim, value_dim, slopes, dense, sinks):
+    """`(B, K, G, T, V)`: the step over slots `[0, size)` at once, with
+    torch's fused kernel (`kernels.decode_core`); the keys and the values
+    are strided views of the cache, never copied."""
+    import keras_mha.attention.kernels as kernels
+
+    if pair:
+        keys, values = cache[:, 0, :size], cache[:, 1, :size]
+        written = ops.ones((1, size), "bool")
+    else:
+        slots = cache[:, :size]
+        keys = slots[..., :key_dim]
+        values = slots[..., key_dim : key_dim + value_dim]
+        written = ops.greater(slots[:, :, 0, -1], 0.5)  # (B, S)
+    positions = cache_lib.slot_positions(
+        limit, cache.shape[2] if pair else cache.shape[1], rolling,
+        ops.arange(size, dtype="int32"),
+    )
+    mask = _slot_mask(query_positions, positions, written, query_mask,
+                      spec.causal, spec.window)  # (B, 1, 1, T, S)
+    if dense is not None:
+        mask = ops.logical_and(mask, dense[..., :size])
+    alibi = None
+    if slopes is not None:
+        distance = query_positions[:, None] - positions[None, :]
+        alibi = logits.alibi(slopes, distance[None, None, None], q.dtype)
+    mask, has_key = masks_lib.open_empty_rows(mask)
+    out = kernels.decode_core(q, keys, values, mask, alibi, sinks,
+                              spec.soft_cap)
+    return masks_lib.zero_empty_rows(out, has_key)
+
+
+def _slot_mask(query_positions, positions, written, query_mask, causal,
+               window):
+    """`(B, 1, 1, T|1, b)`: which of a block's slots, at `positions` `(b,)`
+    (negative: no token) and `written` `(B|1, b)`, each query sees."""
+    written = ops.logical_and(written, positions[None, :] >= 0)
+    visible = masks_lib.position_mask(
+        query_positions[:, None], positions[None, :], causal, window
+    )  # (T, b) or None
+    mask = written[:, None, :]
+    if visible is not None:
+        mask = ops.logical_and(visible[None], mask)  # (B, T, b)
+    mask = ops.logical_and(mask, query_mask[:, :, None])  # (B, T, b)
+    return mask[:, None, None]
 
 
 @functools.lru_cache(maxsize=64)
@@ -207,7 +361,6 @@ def _loop(block, num_slots, rolling, key_dim, value_dim, causal, window,
         positions = cache_lib.slot_positions(
             limit, num_slots, rolling, slot
         )  # (b,); negative: the slot holds no token yet
-        written = ops.logical_and(written, positions[None, :] >= 0)
         if packed:
             scores = ops.matmul(keys, q)  # (B, b, K·G)
             scores = ops.reshape(scores, (batch, block) + packed + (1,))
@@ -215,21 +368,15 @@ def _loop(block, num_slots, rolling, key_dim, value_dim, causal, window,
         else:
             scores = ops.einsum("bkgth,bskh->bkgts", q, keys)
         scores = logits.soft_cap(scores, soft_cap)
-        distance = query_positions[:, None] - positions[None, :]  # (T, b)
         if use_alibi:  # slopes (1, K, G, 1, 1)
+            distance = query_positions[:, None] - positions[None, :]  # (T, b)
             scores = scores + logits.alibi(
                 constants[5], distance[None, None, None], scores.dtype
             )
-        visible = masks_lib.position_mask(
-            query_positions[:, None], positions[None, :], causal, window
-        )  # (T, b) or None
-        fresh = slot >= i * block
-        mask = fresh[None, None, :] if visible is None else ops.logical_and(
-            visible, fresh[None, :]
-        )[None]  # (1, T|1, b)
-        mask = ops.logical_and(mask, written[:, None, :])  # (B, T|1, b)
-        mask = ops.logical_and(mask, query_mask[:, :, None])  # (B, T, b)
-        mask = mask[:, None, None]  # (B, 1, 1, T, b)
+        fresh = slot >= i * block  # (b,): not read by the block before
+        written = ops.logical_and(written, fresh[None, :])
+        mask = _slot_mask(query_positions, positions, written, query_mask,
+                          causal, window)  # (B, 1, 1, T, b)
         if use_dense:
             dense = constants[-1]  # (B|1, K|1, G|1, T|1, L)
             shape = tuple(dense.shape[:4]) + (block,)
