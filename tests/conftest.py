@@ -54,7 +54,8 @@ def _decode_implementations():
 @pytest.fixture(params=_decode_implementations())
 def decode_implementation(request, monkeypatch):
     """Eager decoding steps on each implementation the backend has: the
-    portable block loop everywhere, torch's fused kernel (`native`) too.
+    portable block loop op by op everywhere, and the native route of
+    torch (its fused kernel), TensorFlow and JAX (the loop compiled).
     `native` serves the steps it can (eager, with a value for the index)."""
     from keras_mha.attention import decode
 

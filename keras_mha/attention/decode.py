@@ -13,8 +13,9 @@ once. A rolling cache (one token at a time) is one block of its `w` slots.
 
 Eager steps take a native route where the backend has one (`kernels.py`):
 on torch, one call of the fused attention kernel over every slot below the
-limit, on strided views of the cache; on TensorFlow, the traced loop as a
-graph function, which saves the loop's per-op Python dispatch.
+limit, on strided views of the cache; on TensorFlow and JAX, the traced
+loop as one compiled function (a graph, `jax.jit`), which saves the loop's
+per-op dispatch.
 
 Shapes: query `(B, T, N, H)`; the cache `(B, L, K, H + V + 1)` (see
 `cache.py`). The numbers are those of `explicit.explicit_attention` with
@@ -48,7 +49,7 @@ BLOCK_SIZES = {"torch": 4096}
 BLOCK_SIZE = 1024
 
 PORTABLE = "portable"  # the loop over key blocks, `keras.ops` only
-NATIVE = "native"  # eager steps: torch's fused kernel, TensorFlow's graph
+NATIVE = "native"  # eager steps: torch's fused kernel; TF, JAX compiled
 IMPLEMENTATIONS = (PORTABLE, NATIVE)
 # The implementation of eager steps; `None`: the native one where it
 # exists. Tests set it to run both.
@@ -60,8 +61,11 @@ _NATIVE_BIAS_LIMIT = 1 << 24
 
 
 def native_available(backend=None):
-    """Whether the native step exists for the backend (torch, tensorflow)."""
-    return (backend or keras.backend.backend()) in ("torch", "tensorflow")
+    """Whether the native step exists for the backend (torch, tensorflow,
+    jax)."""
+    return (backend or keras.backend.backend()) in (
+        "torch", "tensorflow", "jax"
+    )
 
 
 def block_size_for(backend=None):
@@ -90,8 +94,9 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         implementation: `"portable"` (the block loop, op by op in an
             eager call), `"native"` (every eager step on the backend's own
             route: torch's fused kernel over the slots below the limit at
-            once, `kernels.decode_core`; on TensorFlow the block loop as
-            one graph function, `kernels.graph_decode`) or `None`:
+            once, `kernels.decode_core`; on TensorFlow and JAX the block
+            loop as one compiled function, `kernels.graph_decode`) or
+            `None`:
             `IMPLEMENTATION`, else the native route where it exists (on
             torch while its bias stays below `_NATIVE_BIAS_LIMIT`).
             Traced steps always run the portable loop.
@@ -100,7 +105,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         `(B, T, N, V)` in the query's dtype.
     """
     implementation = _implementation(implementation)
-    if implementation != PORTABLE and _eager_tensorflow():
+    if implementation != PORTABLE and _eager_compilable(query, cache):
         import keras_mha.attention.kernels as kernels
 
         return kernels.graph_decode(
@@ -225,19 +230,28 @@ def _implementation(implementation):
         )
     if implementation == NATIVE and not native_available():
         raise ValueError(
-            "`implementation='native'` exists only on the torch and "
-            "tensorflow backends. "
+            "`implementation='native'` exists only on the torch, "
+            "tensorflow and jax backends. "
             f"Received: backend={keras.backend.backend()!r}"
         )
     return implementation
 
 
-def _eager_tensorflow():
-    if keras.backend.backend() != "tensorflow":
-        return False
-    import tensorflow as tf
+def _eager_compilable(query, cache):
+    """Whether the step is an eager call on TensorFlow or JAX, whose native
+    route compiles the block loop (`kernels.graph_decode`)."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
 
-    return tf.executing_eagerly()
+        return tf.executing_eagerly()
+    if backend == "jax":
+        import jax
+
+        return not isinstance(query, jax.core.Tracer) and not isinstance(
+            cache, jax.core.Tracer
+        )
+    return False
 
 
 def _takes_native(implementation, blocks, q, num_slots, slopes, dense):
