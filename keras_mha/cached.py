@@ -41,9 +41,9 @@ class CachedMultiHeadAttention(MultiHeadAttention):
       computed once;
     - `cache` with `cache_update_index=i`: the `L` new keys and values are
       projected and written at slots `i .. i+L-1` (in place on torch and in
-      eager JAX, as `MultiHeadAttention.init_cache` says), and the queries
-      attend over the updated cache, reading only the slots below `i + L`,
-      a block at a time: a step's cost follows its position, not `S`. A
+      eager TensorFlow and JAX, as `MultiHeadAttention.init_cache` says),
+      and the queries attend over the updated cache, reading only the slots
+      below `i + L`: a step's cost follows its position, not `S`. A
       cache of one block or less (`decode.block_size_for()`) is read whole,
       as are returned scores and dropout.
 

@@ -483,10 +483,11 @@ class MultiHeadAttention(keras.layers.Layer):
             `left + 1` (`w`) when rolling.
 
         A call with `cache=` writes its tokens in place where the backend
-        allows: on torch the returned cache is the tensor passed in,
-        updated; in eager JAX the cache passed in is donated (do not use it
-        again); under `jax.jit` with donation and XLA the write reuses the
-        buffer.
+        allows: on torch and in eager TensorFlow (outside a gradient tape)
+        the returned cache is the tensor passed in, updated, and every
+        tensor sharing its buffer sees the write; in eager JAX the cache
+        passed in is donated (do not use it again); under `jax.jit` with
+        donation and XLA the write reuses the buffer.
         """
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_length", max_length)
