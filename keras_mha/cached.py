@@ -18,6 +18,7 @@ from keras_mha import describe as describe_lib
 from keras_mha.attention import attend
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import decode
+from keras_mha.attention import dispatch
 from keras_mha.layer import MultiHeadAttention
 
 
@@ -170,7 +171,20 @@ class CachedMultiHeadAttention(MultiHeadAttention):
                     query_offset=cache_update_index,
                     key_positions=_written_positions(ops.shape(k)[1], limit),
                 )
-            context, scores = attend(q, k, v, spec)  # (B', T, N, V)
+            if (
+                limit is not None
+                and keras.backend.backend() == "jax"
+                and dispatch.forced_path() is None
+            ):
+                # A step over a cache of one block: inside a compiled
+                # decode loop XLA fuses the explicit softmax better than
+                # `jax.nn.dot_product_attention`'s (a jitted tiny GPT-2
+                # `generate`, 128 slots: 4.85 ms fused, 4.02 ms explicit,
+                # 4.03 ms with keras-hub's layer).
+                with dispatch.force_path(dispatch.EXPLICIT):
+                    context, scores = attend(q, k, v, spec)
+            else:
+                context, scores = attend(q, k, v, spec)  # (B', T, N, V)
 
         if return_attention_scores and cache is None:
             scores = layout.scores_from_sequence(scores, query, key)

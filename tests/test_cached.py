@@ -16,6 +16,7 @@ from util import to_numpy
 
 import keras_mha
 import keras_mha.attention
+from keras_mha.attention import dispatch
 from keras_mha.cached import CachedMultiHeadAttention
 
 BATCH, FEATURES, HEADS, HEAD_DIM = 2, 8, 2, 4
@@ -129,6 +130,30 @@ class TestAgainstKerasHub:
             expected = theirs(step, step, cache=their_cache, **kwargs)
             _assert_results_close(mine, expected)
             our_cache, their_cache = mine[-1], expected[-1]
+
+    def test_step_path(self, rng, monkeypatch):
+        """A step over a cache of one block attends on `explicit` on JAX
+        (XLA fuses it better inside a decode loop), on the rule elsewhere,
+        and on a path that `force_path` holds it to everywhere."""
+        _, ours = _pair(query_length=4)
+        x = _inputs(rng, 4)
+        cache = ours.init_cache(BATCH, 4)
+        seen = []
+        choose_path = dispatch.choose_path
+
+        def recording(*args, **kwargs):
+            seen.append(choose_path(*args, **kwargs))
+            return seen[-1]
+
+        monkeypatch.setattr(dispatch, "choose_path", recording)
+        step = dict(attention_mask=_causal(1, 4, 3), cache=cache,
+                    cache_update_index=3)
+        _, step["cache"] = ours(x[:, 3:], x[:, 3:], **step)  # JAX donates
+        jax = keras.backend.backend() == "jax"
+        assert seen == [dispatch.EXPLICIT if jax else dispatch.FUSED]
+        with dispatch.force_path(dispatch.FUSED):
+            ours(x[:, 3:], x[:, 3:], **step)
+        assert seen[-1] == dispatch.FUSED
 
     @pytest.mark.parametrize("scores", [False, True], ids=["out", "scores"])
     @pytest.mark.parametrize("masked", [False, True], ids=["all", "mask"])

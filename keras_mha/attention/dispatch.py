@@ -25,8 +25,7 @@ is cheapest (`choose_path`):
    up to their position skip the upper triangle.
 5. `fused` (`keras.ops.dot_product_attention`) otherwise, or `explicit`
    where the fused kernel does not take the head sizes (`H != V` on JAX)
-   or the call has a soft-cap (the kernels have it only on TPUs), and on
-   JAX for keys at a cache's positions (`key_positions`).
+   or the call has a soft-cap (the kernels have it only on TPUs).
 
 A cache (decoding) takes one of three routes (`cache_route`): `prompt`,
 the tokens of a call at the Python index 0 attending to themselves on the
@@ -89,6 +88,11 @@ class Shapes(
 
 
 _forced = contextvars.ContextVar("keras_mha_forced_path", default=None)
+
+
+def forced_path():
+    """The path `force_path` holds the calls to, or `None`."""
+    return _forced.get()
 
 
 @contextlib.contextmanager
@@ -195,16 +199,6 @@ def choose_path(spec, shapes, backend=None):
         and shapes.query_length >= TRIANGULAR_MIN_LENGTH
     ):
         return TRIANGULAR
-    if (
-        backend == "jax"
-        and spec.key_positions is not None
-        and spec.flash_attention is not True
-    ):
-        # A cache's slots: inside a compiled decode loop XLA fuses the
-        # explicit softmax better than `jax.nn.dot_product_attention`'s
-        # (a jitted tiny GPT-2 `generate` of 128 slots: 4.85 ms fused,
-        # 4.02 ms explicit, 4.03 ms with keras-hub's layer).
-        return EXPLICIT
     return FUSED if can_serve(FUSED, spec, shapes, backend) else EXPLICIT
 
 
