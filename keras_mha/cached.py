@@ -129,14 +129,6 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             v = layout.to_sequence(self._value_dense(value))  # (B', L, K, V)
             if self._rotary_embedding is not None:
                 k = self._rotary_embedding(k, start_index=offset)
-        limit = None
-        if cache is not None and cache_update_index is not None:
-            # Written in place where the backend allows (see
-            # `attention.cache`); slots after the new ones are never read.
-            cache, cached_k, cached_v = cache_lib.write_pair(
-                cache, k, v, cache_update_index
-            )
-            limit = ops.cast(cache_update_index, "int32") + ops.shape(k)[1]
         spec = describe_lib.describe(
             self,
             None,
@@ -146,13 +138,23 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             training,
             return_attention_scores,
         )
-        if (
-            limit is not None
+        # The position-following step, which reads the slots below the
+        # limit; a cache of one block or less is read whole (below).
+        stepped = (
+            cache is not None
+            and cache_update_index is not None
             and not (return_attention_scores or spec.dropout)
             and cache.shape[2] > decode.block_size_for()
-        ):
-            # The position-following step: reads the slots below `limit`.
-            # A cache of one block or less is read whole (below).
+        )
+        limit = None
+        if cache is not None and cache_update_index is not None:
+            # Written in place where the backend allows (see
+            # `attention.cache`); slots after the new ones are never read.
+            cache, cached_k, cached_v = cache_lib.write_pair(
+                cache, k, v, cache_update_index, halves=not stepped
+            )
+            limit = ops.cast(cache_update_index, "int32") + ops.shape(k)[1]
+        if stepped:
             context = decode.decode_attention(
                 q, cache, spec.replace(query_offset=cache_update_index),
                 rolling=False, layout=decode.PAIR, limit=limit,

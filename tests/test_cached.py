@@ -6,11 +6,13 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+from conftest import BACKEND
 from keras_hub.src.layers.modeling import transformer_decoder
 from keras_hub.src.layers.modeling.transformer_layer_utils import (
     compute_causal_mask,
 )
 from util import assert_close
+from util import compiled
 from util import reference
 from util import to_numpy
 
@@ -128,6 +130,33 @@ class TestAgainstKerasHub:
             )
             mine = ours(step, step, cache=our_cache, **kwargs)
             expected = theirs(step, step, cache=their_cache, **kwargs)
+            _assert_results_close(mine, expected)
+            our_cache, their_cache = mine[-1], expected[-1]
+
+    @pytest.mark.skipif(BACKEND not in ("jax", "tensorflow"),
+                        reason="only jax.jit and tf.function trace a step")
+    def test_compiled_steps(self, rng, monkeypatch):
+        """Compiled one-token steps (a tensor index) over a cache of two
+        blocks, which write one run into the cache instead of stacking its
+        halves, equal keras-hub's eager steps, caches included."""
+        _small_blocks(monkeypatch)
+        length = 6
+        theirs, ours = _pair(query_length=length)
+        x = _inputs(rng, length)
+
+        def step(token, cache, index, mask):
+            return ours(token, token, attention_mask=mask, cache=cache,
+                        cache_update_index=index)
+
+        step = compiled(step)
+        our_cache = ours.init_cache(BATCH, length)
+        their_cache = keras.ops.zeros((BATCH, 2, length, HEADS, HEAD_DIM))
+        for i in range(length):
+            token, mask = x[:, i : i + 1], _causal(1, length, i)
+            index = keras.ops.convert_to_tensor(i, dtype="int32")
+            mine = step(token, our_cache, index, mask)
+            expected = theirs(token, token, attention_mask=mask,
+                              cache=their_cache, cache_update_index=i)
             _assert_results_close(mine, expected)
             our_cache, their_cache = mine[-1], expected[-1]
 

@@ -7,6 +7,7 @@ from conftest import BACKEND
 from reference import layer_weights
 from reference import reference_attention
 from util import assert_close
+from util import compiled
 from util import make_layer
 from util import random_inputs
 from util import to_numpy
@@ -222,14 +223,7 @@ class TestDecoding:
             return layer(token, token, use_causal_mask=True, cache=cache,
                          cache_update_index=index)
 
-        if BACKEND == "jax":
-            import jax
-
-            step = jax.jit(step)
-        elif BACKEND == "tensorflow":
-            import tensorflow as tf
-
-            step = tf.function(step, jit_compile=True)
+        step = compiled(step)
         cache = layer.init_cache(2, 6)
         outputs = []
         for i in range(6):
@@ -297,14 +291,7 @@ class TestCacheErrors:
             return layer(token, token, use_causal_mask=True, cache=cache,
                          cache_update_index=index)
 
-        if BACKEND == "jax":
-            import jax
-
-            step = jax.jit(step)
-        else:
-            import tensorflow as tf
-
-            step = tf.function(step, jit_compile=True)
+        step = compiled(step)
         cache = layer.init_cache(2, 8)
         _, cache = step(x[:, :1], cache, keras.ops.convert_to_tensor(0, "int32"))
         before = to_numpy(cache)

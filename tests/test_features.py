@@ -13,6 +13,7 @@ import pytest
 from conftest import BACKEND
 from reference import alibi_slopes as reference_slopes
 from util import assert_close
+from util import compiled
 from util import layer_gradients
 from util import make_layer
 from util import reference
@@ -335,6 +336,44 @@ class TestDecoding:
             assert cache.shape[1] == (window[0] + 1 if isinstance(window, tuple)
                                       else window)
 
+    @pytest.mark.skipif(BACKEND not in ("jax", "tensorflow"),
+                        reason="only jax.jit and tf.function trace a step")
+    def test_compiled_steps_read_the_whole_cache_late(self, rng,
+                                                      monkeypatch):
+        """Compiled one-token steps at every position of a cache of three
+        blocks: the loop over blocks up to `WHOLE_FROM` of it, then the
+        one pass over every slot (`decode.WHOLE_BACKENDS`, here on this
+        backend too), equal the full pass; one padded token in the
+        prompt."""
+        from keras_mha.attention import decode
+
+        monkeypatch.setattr(decode, "WHOLE_BACKENDS", (BACKEND,))
+        x = _inputs(rng)[0]
+        layer = _layer(x, "all", None)
+        mask = np.ones((B, T), bool)
+        mask[1, 2] = False
+        full = to_numpy(layer(x, x, use_causal_mask=True, query_mask=mask,
+                              value_mask=mask))
+        prompt = 4
+        cache = layer.init_cache(B, T)
+        _, cache = layer(x[:, :prompt], x[:, :prompt], use_causal_mask=True,
+                         query_mask=mask[:, :prompt],
+                         value_mask=mask[:, :prompt], cache=cache,
+                         cache_update_index=0)
+
+        def step(token, cache, index):
+            return layer(token, token, use_causal_mask=True, cache=cache,
+                         cache_update_index=index)
+
+        step = compiled(step)
+        outputs = []
+        for i in range(prompt, T):
+            index = keras.ops.convert_to_tensor(i, dtype="int32")
+            out, cache = step(x[:, i : i + 1], cache, index)
+            outputs.append(to_numpy(out))
+        np.testing.assert_allclose(np.concatenate(outputs, 1),
+                                   full[:, prompt:], atol=2e-5, rtol=2e-5)
+
     def test_segments_and_bias_refused_with_cache(self, rng):
         x = _inputs(rng)[0][:, :4]
         layer = _layer(x, "plain", None)
@@ -360,17 +399,8 @@ class TestCompiledAndMixedPrecision:
         def fn(x):
             return layer(x, x, use_causal_mask=True, segment_ids=ids)
 
-        compiled = fn
-        if BACKEND == "jax":
-            import jax
-
-            compiled = jax.jit(fn)
-        elif BACKEND == "tensorflow":
-            import tensorflow as tf
-
-            compiled = tf.function(fn, jit_compile=True)
         with dispatch.force_path("banded"):
-            got = to_numpy(compiled(x))
+            got = to_numpy(compiled(fn)(x))
         expected, _ = reference(layer, x, x, use_causal_mask=True,
                                 segment_ids=ids)
         assert_close(got, expected, atol=2e-5, rtol=2e-5)

@@ -33,6 +33,20 @@ def random_inputs(rng, batch=2, query_length=5, key_length=None, features=8):
     return query, value
 
 
+def compiled(fn):
+    """`fn` under `jax.jit` on JAX and `tf.function(jit_compile=True)` on
+    TensorFlow; `fn` itself elsewhere (eager)."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.jit(fn)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(fn, jit_compile=True)
+    return fn
+
+
 def make_layer(query, value, key=None, seed=0, **kwargs):
     """Our layer, built for these inputs, with random weights and biases.
 
