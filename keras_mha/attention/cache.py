@@ -117,19 +117,26 @@ def _write_run(cache, new, start, rolling, axis=1):
         return kernels.write_slots(cache, new, start, axis)
     zero = ops.zeros((), "int32")
     if not rolling and not isinstance(start, int):
-        start = ops.cast(start, "int32")
-        fits = ops.logical_and(start >= 0, start + length <= num_slots)
-        clamped = ops.clip(start, 0, num_slots - length)
+        start, fits = _guard(start, length, num_slots)
         starts = [zero] * len(cache.shape)
-        starts[axis] = clamped
+        starts[axis] = start
         shape = list(ops.shape(cache))
         shape[axis] = length
         old = ops.slice(cache, tuple(starts), tuple(shape))
         new = ops.where(fits, new, old)
-        start = clamped
     starts = [zero] * len(cache.shape)
     starts[axis] = start
     return ops.slice_update(cache, tuple(starts), new)
+
+
+def _guard(start, length, num_slots):
+    """`(start, fits)` of a run of `length` slots from a tensor `start`:
+    clamped into the cache, and whether it fitted as it was."""
+    if isinstance(start, tuple):  # guarded already (`write_pair`)
+        return start
+    start = ops.cast(start, "int32")
+    fits = ops.logical_and(start >= 0, start + length <= num_slots)
+    return ops.clip(start, 0, num_slots - length), fits
 
 
 def _writes_in_place(cache):
@@ -167,6 +174,8 @@ def write_pair(cache, key, value, index, halves=True):
     if not halves or _writes_in_place(cache):
         new = ops.stack([key, value], axis=1)  # (B, 2, T, K, H)
         return _write_run(cache, new, index, False, axis=2), None, None
+    if not isinstance(index, int):  # one guard for both halves
+        index = _guard(index, key.shape[1], cache.shape[2])
     keys = _write_run(cache[:, 0], key, index, False)
     values = _write_run(cache[:, 1], value, index, False)
     return ops.stack([keys, values], axis=1), keys, values
