@@ -102,13 +102,14 @@ def write(cache, key, value, valid, index, rolling):
     return ops.where(written[None, :, None, None], gathered, cache)
 
 
-def _write_run(cache, new, start, rolling, axis=1):
+def _write_run(cache, new, start, rolling, axis=1, fits=None):
     """`new` written into slots `[start, start + T)` of `axis`.
 
     A full cache's index is checked when it has a value (`checks.py`).
     Traced, an out-of-range run (`start < 0` or past the last slot) writes
     nothing on every backend, rather than the clamped slots that
-    `dynamic_update_slice` would write.
+    `dynamic_update_slice` would write. `fits`: given when the caller
+    guarded `start` already (`_guard`).
     """
     length, num_slots = new.shape[axis], cache.shape[axis]
     if _writes_in_place(cache):
@@ -116,24 +117,21 @@ def _write_run(cache, new, start, rolling, axis=1):
 
         return kernels.write_slots(cache, new, start, axis)
     zero = ops.zeros((), "int32")
-    if not rolling and not isinstance(start, int):
+    if fits is None and not rolling and not isinstance(start, int):
         start, fits = _guard(start, length, num_slots)
-        starts = [zero] * len(cache.shape)
-        starts[axis] = start
+    starts = [zero] * len(cache.shape)
+    starts[axis] = start
+    if fits is not None:
         shape = list(ops.shape(cache))
         shape[axis] = length
         old = ops.slice(cache, tuple(starts), tuple(shape))
         new = ops.where(fits, new, old)
-    starts = [zero] * len(cache.shape)
-    starts[axis] = start
     return ops.slice_update(cache, tuple(starts), new)
 
 
 def _guard(start, length, num_slots):
     """`(start, fits)` of a run of `length` slots from a tensor `start`:
     clamped into the cache, and whether it fitted as it was."""
-    if isinstance(start, tuple):  # guarded already (`write_pair`)
-        return start
     start = ops.cast(start, "int32")
     fits = ops.logical_and(start >= 0, start + length <= num_slots)
     return ops.clip(start, 0, num_slots - length), fits
@@ -174,10 +172,11 @@ def write_pair(cache, key, value, index, halves=True):
     if not halves or _writes_in_place(cache):
         new = ops.stack([key, value], axis=1)  # (B, 2, T, K, H)
         return _write_run(cache, new, index, False, axis=2), None, None
+    fits = None
     if not isinstance(index, int):  # one guard for both halves
-        index = _guard(index, key.shape[1], cache.shape[2])
-    keys = _write_run(cache[:, 0], key, index, False)
-    values = _write_run(cache[:, 1], value, index, False)
+        index, fits = _guard(index, key.shape[1], cache.shape[2])
+    keys = _write_run(cache[:, 0], key, index, False, fits=fits)
+    values = _write_run(cache[:, 1], value, index, False, fits=fits)
     return ops.stack([keys, values], axis=1), keys, values
 
 
