@@ -8,6 +8,7 @@ compiles every implementation twice). NumPy is not benchmarked (no
 compiler, no autodiff): there the command must say so in one line.
 """
 
+import functools
 import itertools
 import json
 import os
@@ -22,6 +23,7 @@ from conftest import BACKEND
 import keras_mha
 from keras_mha import cli
 from keras_mha.attention import dispatch
+from keras_mha.cli.bench import backends
 from keras_mha.cli.bench import plan
 from keras_mha.cli.bench import report
 from keras_mha.cli.bench import worker
@@ -312,6 +314,10 @@ def test_decode_run_reports_generate_prefill_and_targets(decode_run):
         assert row["tokens_per_s"] == pytest.approx(tokens / row["time_s"])
     # The same weights and greedy sampling: the same tokens.
     assert generate["ours"]["same_tokens"], generate
+    # Timed call for call in one run: the same rounds under one meter.
+    ours, theirs = generate["ours"], generate["keras_hub"]
+    assert len(ours["times_s"]) == len(theirs["times_s"]) == ours["repeats"]
+    assert ours["rss_peak_bytes"] == theirs["rss_peak_bytes"]
     assert generate["ours"]["over_keras_hub"] == pytest.approx(
         generate["ours"]["tokens_per_s"]
         / generate["keras_hub"]["tokens_per_s"])
@@ -1257,3 +1263,19 @@ def test_targets_compare_the_reference_cell():
     assert "jax w=128: 4.00" in scaling["detail"]
     assert results["keras_over_ours"]["detail"] == (
         "torch: keras/ours = 10.0x; jax: keras/ours = 10.0x")
+
+
+@pytest.mark.skipif(backends.get(BACKEND) is None,
+                    reason=f"the bench has no {BACKEND} worker")
+def test_alternate_timing_takes_turns():
+    bench_worker = worker.Worker(plan.load_config(None, "quick"))
+    calls = []
+    results = bench_worker.time_alternately(
+        [(name, functools.partial(calls.append, name)) for name in "ab"],
+        3, "both")
+    # Two rounds of warm-up calls, then three timed rounds.
+    assert calls == ["a", "b"] * 5
+    assert set(results) == {"a", "b"}
+    for result in results.values():
+        assert result["repeats"] == 3 and len(result["times_s"]) == 3
+        assert result["compiler"] == "both"

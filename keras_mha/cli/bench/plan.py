@@ -128,7 +128,7 @@ _DEFAULTS = {
     "decode": {"window": 512, "full_length": 65536, "short_length": 2048,
                "positions": [1024, 16384, 65535], "repeats": 10,
                "generate": {"prompt_length": 8, "max_length": 128,
-                            "repeats": 15},
+                            "repeats": 30},
                "prefill": {"length": 8192, "window": 128, "repeats": 3}},
     "features": {"length": 16384, "window": 128, "causal": True,
                  "features": list(FEATURES), "modes": list(MODES),
