@@ -672,8 +672,8 @@ class Worker:
         attention and times their calls alternately (`time_alternately`),
         so that the ratio of the two is measured over the same seconds;
         the other unit then reports its half of that run. Timed one after
-        the other, the same two models read 0.92x and 0.96x in two runs
-        on TensorFlow, and 0.98x to 1.02x alternately."""
+        the other, the ratio also carried whatever the machine did between
+        the two units."""
         missing = keras_hub_missing()
         if missing:
             return {"status": plan.NOT_AVAILABLE, "reason": missing}
