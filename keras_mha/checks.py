@@ -339,8 +339,8 @@ def feature_arguments(
         raise ValueError(
             f"{names} are not supported with a cache: decoding steps read "
             "the cache's own padding flags and positions. Received: "
-            f"{', '.join(f'{name}=a tensor' for name in given)}, cache=a "
-            "tensor"
+            f"{', '.join(f'{name}=a tensor' for name in given)}, "
+            "cache=a cache"
         )
     query_shape, key_shape = shapes["query"], shapes["key"]
     if attention_bias_ is not None:
@@ -409,7 +409,7 @@ def cache_call(
     if cache is None or index is None:
         raise ValueError(
             "`cache` and `cache_update_index` go together. Received: "
-            f"cache={'None' if cache is None else 'a tensor'}, "
+            f"cache={'None' if cache is None else 'a cache'}, "
             f"cache_update_index={index!r}"
         )
     if not use_causal_mask:
@@ -437,22 +437,22 @@ def cache_call(
                 f"query.shape={tuple(query.shape)}, "
                 f"{name}.shape={tuple(tensor.shape)}"
             )
-    cache_tensor(cache)
+    keys = cache_parts(cache)[0]
     num_slots = window if window is not None else (
-        cache.shape[1] if len(cache.shape) > 1 else None
+        keys.shape[1] if len(keys.shape) > 1 else None
     )
-    expected = cache_lib.cache_shape(
+    expected = cache_lib.cache_shapes(
         query.shape[0], num_slots, num_kv_heads, key_dim, value_dim
     )
-    if len(cache.shape) != 4 or not dims_agree(
-        tuple(cache.shape), expected
-    ):
-        raise ValueError(
-            "`cache` must have shape (B, L, K, H + V + 1) = "
-            f"{expected} (see `init_cache`). Received: "
-            f"cache.shape={tuple(cache.shape)}"
-        )
-    cache_index(index, query.shape[1], cache.shape[1], window is not None)
+    for i, (part, want) in enumerate(zip(cache, expected)):
+        shape = tuple(part.shape)
+        if len(shape) != len(want) or not dims_agree(shape, want):
+            raise ValueError(
+                "`cache` must be `(keys, values, valid)` of shapes "
+                f"(B, L, K, H), (B, L, K, V) and (B, L) = {expected} (see "
+                f"`init_cache`). Received: cache[{i}].shape={shape}"
+            )
+    cache_index(index, query.shape[1], keys.shape[1], window is not None)
 
 
 def built_inputs(layer, query, value, key=None):
@@ -553,16 +553,45 @@ def call_arguments(
         )
 
 
-def cache_tensor(cache):
-    """`cache` is a floating-point tensor."""
+def cache_parts(cache):
+    """`cache` is our layer's `(keys, values, valid)` (`init_cache`):
+    floating-point keys and values, boolean flags."""
+    if not isinstance(cache, (tuple, list)) or len(cache) != 3:
+        received = (
+            f"cache.shape={tuple(cache.shape)}" if hasattr(cache, "shape")
+            else f"cache of type {type(cache).__name__}"
+        )
+        raise TypeError(
+            "`cache` must be the tuple `(keys, values, valid)` that "
+            f"`init_cache` returns. Received: {received}"
+        )
+    for i, part in enumerate(cache[:2]):
+        cache_tensor(part, f"cache[{i}]")
+    valid = cache[2]
+    if not hasattr(valid, "shape") or not hasattr(valid, "dtype"):
+        raise TypeError(
+            "`cache[2]` (valid) must be a boolean tensor (see "
+            f"`init_cache`). Received: cache[2] of type {type(valid).__name__}"
+        )
+    dtype = keras.backend.standardize_dtype(valid.dtype)
+    if dtype != "bool":
+        raise TypeError(
+            "`cache[2]` (valid) must be a boolean tensor (see "
+            f"`init_cache`). Received: cache[2].dtype={dtype}"
+        )
+    return cache
+
+
+def cache_tensor(cache, name="cache"):
+    """`cache` (named `name`) is a floating-point tensor."""
     if not hasattr(cache, "shape") or not hasattr(cache, "dtype"):
         raise TypeError(
-            "`cache` must be a tensor (see `init_cache`). Received: "
-            f"cache of type {type(cache).__name__}"
+            f"`{name}` must be a tensor (see `init_cache`). Received: "
+            f"{name} of type {type(cache).__name__}"
         )
     dtype = keras.backend.standardize_dtype(cache.dtype)
     if "float" not in dtype:
         raise TypeError(
-            "`cache` must be a floating-point tensor (see `init_cache`). "
-            f"Received: cache.dtype={dtype}"
+            f"`{name}` must be a floating-point tensor (see `init_cache`). "
+            f"Received: {name}.dtype={dtype}"
         )

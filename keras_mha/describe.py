@@ -118,11 +118,13 @@ def extra_result_specs(layer, query, value, key, return_attention_scores, cache)
             scores_shape = scores_shape[:-1] + (
                 None
                 if query.shape[1] is None
-                else cache.shape[1] + query.shape[1],
+                else cache[0].shape[1] + query.shape[1],
             )
         specs.append(keras.KerasTensor(scores_shape, dtype=layer.compute_dtype))
     if cache is not None:
-        specs.append(keras.KerasTensor(cache.shape, dtype=cache.dtype))
+        specs.append(tuple(
+            keras.KerasTensor(part.shape, dtype=part.dtype) for part in cache
+        ))
     return specs
 
 

@@ -477,26 +477,28 @@ class MultiHeadAttention(keras.layers.Layer):
                 whatever `max_length` is.
 
         Returns:
-            A tensor `(B, L, K, H + V + 1)` in the layer's compute dtype:
-            keys, values and a per-slot "real token" flag (see
-            `keras_mha.attention.cache`). `L` is `max_length`, or
-            `left + 1` (`w`) when rolling.
+            A tuple `(keys, values, valid)` (see
+            `keras_mha.attention.cache`): `keys` `(B, L, K, H)` and
+            `values` `(B, L, K, V)` in the layer's compute dtype, and
+            `valid` `(B, L)` boolean, true in the slots where a real
+            (unpadded) token was written. `L` is `max_length`, or
+            `left + 1` (`w`) when rolling. A call returns a cache of the
+            same structure.
 
         A call with `cache=` writes its tokens in place where the backend
         allows: on torch and in eager TensorFlow (outside a gradient tape)
-        the returned cache is the tensor passed in, updated, and every
-        tensor sharing its buffer sees the write; in eager JAX the cache
-        passed in is donated (do not use it again); under `jax.jit` with
-        donation and XLA the write reuses the buffer.
+        the returned cache holds the tensors passed in, updated, and every
+        tensor sharing their buffers sees the write; in eager JAX the
+        tensors passed in are donated (do not use them again); under
+        `jax.jit` with donation and XLA the write reuses the buffers.
         """
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_length", max_length)
         slots = self._rolling_slots if self.rolling_cache else max_length
-        shape = cache_lib.cache_shape(
+        return cache_lib.zeros(
             batch_size, slots, self._num_key_value_heads, self._key_dim,
-            self._value_dim,
+            self._value_dim, self.compute_dtype,
         )
-        return ops.zeros(shape, dtype=self.compute_dtype)
 
     # ----------------------------------------------------------------- shapes
 

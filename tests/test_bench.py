@@ -271,12 +271,11 @@ def test_decode_run_reports_every_step_with_its_ratios(decode_run):
     assert steps["read", "rolling", spec["window"], None]["reads"] == (
         spec["window"])
     # Our cache and keras-hub's hold the same keys and values; ours adds a
-    # flag per slot and head (H + V + 1 floats against 2 * H).
+    # boolean flag per slot (a byte).
     ours = steps["ours", "full", full, first][modes[0]]
     theirs = steps["keras_hub", "full", full, first][modes[0]]
-    head = plan.load_config(None, "quick")["key_dim"]
-    assert ours["cache_bytes"] * 2 * head == theirs["cache_bytes"] * (
-        2 * head + 1)
+    batch = plan.load_config(None, "quick")["batch"]
+    assert ours["cache_bytes"] == theirs["cache_bytes"] + batch * full
     rolling = steps["ours", "rolling", spec["window"], first][modes[0]]
     assert rolling["cache_bytes"] * full == ours["cache_bytes"] * (
         spec["window"])

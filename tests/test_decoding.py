@@ -1,5 +1,7 @@
 """Grouped heads and decoding with a KV cache (full and rolling)."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -132,7 +134,11 @@ class TestDecoding:
         decoded, caches = _decode(layers, x, prompt_length=5)
         np.testing.assert_allclose(decoded, _full(layers, x), atol=1e-5, rtol=1e-5)
         slots = window or 9
-        assert tuple(caches[0].shape) == (2, slots, num_kv_heads, 9)
+        keys, values, valid = caches[0]
+        assert tuple(keys.shape) == (2, slots, num_kv_heads, 4)
+        assert tuple(values.shape) == (2, slots, num_kv_heads, 4)
+        assert tuple(valid.shape) == (2, slots)
+        assert keras.backend.standardize_dtype(valid.dtype) == "bool"
 
     @pytest.mark.parametrize("window", [None, 2])
     def test_chunks(self, rng, window):
@@ -160,11 +166,11 @@ class TestDecoding:
             sliding_window=16,
         )
         for max_length in (8, 1024, 65536):
-            assert tuple(layer.init_cache(3, max_length).shape) == (
-                3, 16, 2, 15
-            )
+            shapes = [tuple(x.shape) for x in layer.init_cache(3, max_length)]
+            assert shapes == [(3, 16, 2, 8), (3, 16, 2, 6), (3, 16)]
         full = keras_mha.MultiHeadAttention(num_heads=4, key_dim=8)
-        assert tuple(full.init_cache(1, 100).shape) == (1, 100, 4, 17)
+        shapes = [tuple(x.shape) for x in full.init_cache(1, 100)]
+        assert shapes == [(1, 100, 4, 8), (1, 100, 4, 8), (1, 100)]
 
     def test_scores_cover_old_slots_then_new_tokens(self, rng):
         x = rng.normal(size=(1, 4, 8)).astype("float32")
@@ -184,7 +190,7 @@ class TestDecoding:
 
     def test_eager_steps_write_in_place(self, rng):
         """An eager step writes its slots into the cache it was given:
-        torch and TensorFlow return that tensor, JAX donates it; under a
+        torch and TensorFlow return its tensors, JAX donates them; under a
         TensorFlow gradient tape the write is a copy."""
         x = rng.normal(size=(1, 5, 8)).astype("float32")
         layer = make_layer(x, x, num_heads=2, key_dim=4)
@@ -197,21 +203,22 @@ class TestDecoding:
                          cache_update_index=index)[1]
 
         written = step(cache, 3)
-        if BACKEND in ("torch", "tensorflow"):
-            assert written is cache
-        elif BACKEND == "jax":
-            assert cache.is_deleted()
-        flags = to_numpy(written)[0, :, 0, -1]
+        assert isinstance(written, tuple) and len(written) == 3
+        for new, old in zip(written, cache):
+            if BACKEND in ("torch", "tensorflow"):
+                assert new is old
+            elif BACKEND == "jax":
+                assert old.is_deleted()
+        flags = to_numpy(written[2])[0]
         np.testing.assert_array_equal(flags, [1, 1, 1, 1, 0])
         if BACKEND == "tensorflow":
             import tensorflow as tf
 
             with tf.GradientTape():
                 copied = step(written, 4)
-            assert copied is not written
-            np.testing.assert_array_equal(to_numpy(written)[0, :, 0, -1],
-                                          flags)
-            np.testing.assert_array_equal(to_numpy(copied)[0, :, 0, -1], 1)
+            assert all(new is not old for new, old in zip(copied, written))
+            np.testing.assert_array_equal(to_numpy(written[2])[0], flags)
+            np.testing.assert_array_equal(to_numpy(copied[2])[0], 1)
 
     def test_compiled_step_with_tensor_index(self, rng):
         """A decode step with a tensor index, compiled where the backend can
@@ -254,19 +261,45 @@ class TestCacheErrors:
         with pytest.raises(ValueError, match="cache=None"):
             layer(x, x, use_causal_mask=True, cache_update_index=0)
 
-    @pytest.mark.parametrize("shape", [(2, 8, 2, 8), (2, 8, 3, 9), (3, 8, 2, 9),
-                                       (2, 8, 9)])
-    def test_wrong_shape(self, rng, shape):
+    def test_one_tensor_is_not_a_cache(self, rng):
+        """The layout before `(keys, values, valid)`: one tensor."""
         x, layer = self._layer(rng)
-        with pytest.raises(ValueError, match="cache.shape"):
-            layer(x, x, use_causal_mask=True, cache=np.zeros(shape, "float32"),
+        with pytest.raises(TypeError, match=r"\(keys, values, valid\).*"
+                           r"Received: cache.shape=\(2, 8, 2, 9\)"):
+            layer(x, x, use_causal_mask=True,
+                  cache=np.zeros((2, 8, 2, 9), "float32"),
+                  cache_update_index=0)
+
+    @pytest.mark.parametrize("part, shape", [
+        (0, (2, 8, 3, 4)), (0, (3, 8, 2, 4)), (1, (2, 8, 2, 5)),
+        (1, (2, 7, 2, 4)), (2, (2, 7)), (2, (2, 8, 1)),
+    ])
+    def test_wrong_shape(self, rng, part, shape):
+        x, layer = self._layer(rng)
+        cache = list(layer.init_cache(2, 8))
+        cache[part] = np.zeros(shape, "bool" if part == 2 else "float32")
+        with pytest.raises(ValueError, match=rf"Received: cache\[{part}\]"
+                           r"\.shape=" + re.escape(str(shape))):
+            layer(x, x, use_causal_mask=True, cache=tuple(cache),
+                  cache_update_index=0)
+
+    @pytest.mark.parametrize("part, dtype", [(0, "int32"), (1, "bool"),
+                                             (2, "float32")])
+    def test_wrong_dtype(self, rng, part, dtype):
+        x, layer = self._layer(rng)
+        cache = list(layer.init_cache(2, 8))
+        cache[part] = np.zeros(tuple(cache[part].shape), dtype)
+        with pytest.raises(TypeError,
+                           match=rf"cache\[{part}\].dtype={dtype}"):
+            layer(x, x, use_causal_mask=True, cache=tuple(cache),
                   cache_update_index=0)
 
     def test_rolling_cache_must_have_window_slots(self, rng):
         x, layer = self._layer(rng, sliding_window=4)
-        with pytest.raises(ValueError, match="cache.shape"):
-            layer(x, x, use_causal_mask=True,
-                  cache=np.zeros((2, 8, 2, 9), "float32"), cache_update_index=0)
+        cache = make_layer(x, x, num_heads=2, key_dim=4).init_cache(2, 8)
+        with pytest.raises(ValueError, match=r"cache\[0\]\.shape=\(2, 8,"):
+            layer(x, x, use_causal_mask=True, cache=cache,
+                  cache_update_index=0)
 
     @pytest.mark.parametrize("index", [-1, 6])
     @pytest.mark.parametrize("as_tensor", [False, True])
@@ -294,11 +327,12 @@ class TestCacheErrors:
         step = compiled(step)
         cache = layer.init_cache(2, 8)
         _, cache = step(x[:, :1], cache, keras.ops.convert_to_tensor(0, "int32"))
-        before = to_numpy(cache)
+        before = [to_numpy(part) for part in cache]
         for index in (8, 100, -3):
             _, after = step(x[:, 1:2], cache,
                             keras.ops.convert_to_tensor(index, "int32"))
-            np.testing.assert_array_equal(to_numpy(after), before)
+            for new, old in zip(after, before):
+                np.testing.assert_array_equal(to_numpy(new), old)
 
     def test_attention_mask_is_rejected(self, rng):
         x, layer = self._layer(rng)

@@ -150,7 +150,8 @@ class CallCase(NamedTuple):
 
 Q, V, K = (2, 5, 8), (2, 7, 8), (2, 7, 6)  # B=2, T=5, S=7; E_k != E_v
 R4 = (2, 3, 4, 8)  # rank 4 for attention_axes
-CACHE = (2, 8, 2, 9)  # init_cache(2, 8) of num_heads=2, key_dim=4
+# init_cache(2, 8) of num_heads=2, key_dim=4: (keys, values, valid)
+CACHE = (Spec((2, 8, 2, 4)), Spec((2, 8, 2, 4)), Spec((2, 8), "bool"))
 X = (2, 3, 8)  # new tokens for the cache
 
 
@@ -163,7 +164,7 @@ def _mask(shape, dtype="bool"):
     return Spec(shape, dtype)
 
 
-def _cache_args(cache=Spec(CACHE), index=0, causal=True, **args):
+def _cache_args(cache=CACHE, index=0, causal=True, **args):
     return {"query": Spec(X), "value": Spec(X), "cache": cache,
             "cache_update_index": index, "use_causal_mask": causal, **args}
 
@@ -243,7 +244,7 @@ CALL_CASES = [
              layer=dict(flash_attention=True), eager=False),
     # Cache misuse beyond test_decoding.py::TestCacheErrors.
     CallCase("cache-rank-4-inputs",
-             dict(query=Spec(R4), value=Spec(R4), cache=Spec(CACHE),
+             dict(query=Spec(R4), value=Spec(R4), cache=CACHE,
                   cache_update_index=0, use_causal_mask=True),
              ValueError, received("query.shape", str(R4)),
              layer=dict(attention_axes=(2,))),
@@ -251,12 +252,19 @@ CALL_CASES = [
              received("use_causal_mask", "False"), eager=False),
     CallCase("cache-without-index", _cache_args(index=None), ValueError,
              received("cache_update_index", "None"), eager=False),
-    CallCase("cache-shape", _cache_args(cache=Spec((2, 8, 2, 8))),
-             ValueError, received("cache.shape", "(2, 8, 2, 8)"),
+    CallCase("cache-shape",
+             _cache_args(cache=(Spec((2, 8, 2, 8)),) + CACHE[1:]),
+             ValueError, received("cache[0].shape", "(2, 8, 2, 8)"),
              eager=False),
-    CallCase("cache-int32", _cache_args(cache=Spec(CACHE, "int32")),
-             TypeError, received("cache.dtype", "int32")),
-    CallCase("cache-list", _cache_args(cache=np.zeros(CACHE).tolist()),
+    CallCase("cache-int32", _cache_args(cache=(Spec((2, 8, 2, 4), "int32"),)
+                                        + CACHE[1:]),
+             TypeError, received("cache[0].dtype", "int32")),
+    CallCase("cache-valid-float", _cache_args(cache=CACHE[:2]
+                                              + (Spec((2, 8)),)),
+             TypeError, received("cache[2].dtype", "float32")),
+    CallCase("cache-one-tensor", _cache_args(cache=Spec((2, 8, 2, 9))),
+             TypeError, received("cache.shape", "(2, 8, 2, 9)")),
+    CallCase("cache-list", _cache_args(cache=np.zeros((2, 8, 2, 9)).tolist()),
              TypeError, r"Received: cache of type list", symbolic=False),
     CallCase("cache-index-float", _cache_args(index=2.5), ValueError,
              received("cache_update_index", "2.5")),
@@ -285,12 +293,16 @@ def _layer(built_for=None, **kwargs):
 def _eager(value):
     if isinstance(value, Spec):
         return np.ones(value.shape, value.dtype)
+    if isinstance(value, tuple):  # a cache
+        return tuple(_eager(part) for part in value)
     return value
 
 
 def _symbolic(value):
     if isinstance(value, Spec):
         return keras.Input(batch_shape=value.shape, dtype=value.dtype)
+    if isinstance(value, tuple):
+        return tuple(_symbolic(part) for part in value)
     return value
 
 

@@ -333,8 +333,8 @@ class TestDecoding:
         np.testing.assert_allclose(np.concatenate(outputs, 1), full,
                                    atol=2e-5, rtol=2e-5)
         if window is not None:  # a rolling cache of `left + 1` slots
-            assert cache.shape[1] == (window[0] + 1 if isinstance(window, tuple)
-                                      else window)
+            slots = window[0] + 1 if isinstance(window, tuple) else window
+            assert [x.shape[1] for x in cache] == [slots] * 3
 
     @pytest.mark.skipif(BACKEND not in ("jax", "tensorflow"),
                         reason="only jax.jit and tf.function trace a step")

@@ -75,7 +75,7 @@ def attend_cached(query, key, value, spec, cache, index, rolling):
         key: the new tokens' keys `(B, T, K, H)`.
         value: their values `(B, T, K, V)`.
         spec: the call's spec; its `key_mask` marks the new real tokens.
-        cache: `(B, L, K, H + V + 1)`.
+        cache: `(keys, values, valid)` (see `cache.py`).
         index: the position of the first new token (int or tensor).
         rolling: whether slot = position mod L.
 

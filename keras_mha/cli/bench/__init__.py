@@ -48,9 +48,9 @@ with the cache donated, `tf.function(jit_compile=True)`):
   as the first, and of keras-hub's `CachedMultiHeadAttention` (its cache
   `(B, 2, S, N, H)`, a causal `attention_mask` `(B, 1, S)`) with the same
   full caches at the same positions but 1;
-- the floor: reading the valid cached bytes once (the sum of the `p + 1`
-  first slots of a tensor shaped as our full cache, of the `w` of a
-  rolling one; compiled, torch eager), and the fixed cost of a step: ours
+- the floor: reading the valid cached bytes once (the sums of the `p + 1`
+  first slots of keys and values shaped as our full cache's, of the `w` of
+  a rolling one; compiled, torch eager), and the fixed cost of a step: ours
   at p = 1 in the same cache;
 - the tokens per second of a tiny keras-hub GPT-2's greedy `generate`
   (2 layers, 2 heads, E=64; a prompt of 8 tokens, `max_length` 128) with

@@ -631,8 +631,9 @@ class Worker:
         return result
 
     def floor(self, unit):
-        """The floor of a step: the sum of the `reads` valid slots of a
-        random tensor shaped as our cache of `slots` slots, read once."""
+        """The floor of a step: the sums of the `reads` valid slots of
+        random keys and values shaped as our cache's of `slots` slots, read
+        once (its flags, a byte a slot, are left out)."""
         from keras import ops
 
         from keras_mha.attention import cache as cache_lib
@@ -641,19 +642,21 @@ class Worker:
         key = ("floor", unit["cache"], unit["slots"])
         if key != self._setup_key:
             self.drop_setup()
-            shape = cache_lib.cache_shape(
+            shapes = cache_lib.cache_shapes(
                 config["batch"], unit["slots"], config["num_heads"],
-                config["key_dim"], config["key_dim"])  # (B, S, K, H + V + 1)
+                config["key_dim"], config["key_dim"])[:2]  # (B, S, K, H)
             self._setup_key = key
-            self._setup = {"cache": self.backend.tensor(self._random(shape))}
+            self._setup = {"cache": tuple(
+                self.backend.tensor(self._random(shape)) for shape in shapes
+            )}
         cache, reads = self._setup["cache"], unit["reads"]
 
-        def total(tensor):
-            return ops.sum(tensor[:, :reads])
+        def total(keys, values):
+            return ops.sum(keys[:, :reads]) + ops.sum(values[:, :reads])
 
-        candidates = (self.backend.eager(lambda: total(cache))
+        candidates = (self.backend.eager(lambda: total(*cache))
                       if unit["mode"] == "eager"
-                      else self.backend.core(total, (cache,), "forward"))
+                      else self.backend.core(total, cache, "forward"))
         result = self.time_candidates(candidates,
                                       self.config["decode"]["repeats"])
         read_bytes = _bytes(cache) * reads // unit["slots"]
@@ -753,11 +756,14 @@ class Worker:
         return result
 
 
-def _bytes(tensor):
+def _bytes(tensors):
+    """The bytes of a tensor or a tuple of them (our cache)."""
     import keras
 
-    itemsize = np.dtype(keras.backend.standardize_dtype(tensor.dtype)).itemsize
-    return int(np.prod(tensor.shape)) * itemsize
+    if isinstance(tensors, (tuple, list)):
+        return sum(_bytes(tensor) for tensor in tensors)
+    dtype = keras.backend.standardize_dtype(tensors.dtype)
+    return int(np.prod(tensors.shape)) * np.dtype(dtype).itemsize
 
 
 # --------------------------------------------------------------------- main
