@@ -8,8 +8,6 @@ that writes the cache), so every feature of `MultiHeadAttention` works here
 too.
 """
 
-import numbers
-
 import keras
 from keras import ops
 
@@ -171,7 +169,7 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             if limit is not None:
                 spec = spec.replace(
                     query_offset=cache_update_index,
-                    key_positions=_written_positions(ops.shape(k)[1], limit),
+                    key_mask=_written(ops.shape(k)[1], limit),
                 )
             if (
                 limit is not None
@@ -262,11 +260,11 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         return ops.zeros(shape, dtype=self.compute_dtype)
 
 
-def _written_positions(num_slots, limit):
-    """`(S,)` int32: slot `j` holds position `j` once written (`j <
-    limit`), and -1 (never visible) after that."""
-    slots = ops.arange(num_slots, dtype="int32")
-    return ops.where(slots < limit, slots, -1)
+def _written(num_slots, limit):
+    """`(1, S)` boolean: the slots below `limit`, written; a slot after them
+    is never visible. Each slot `j` holds position `j` (the spec's default
+    key positions)."""
+    return (ops.arange(num_slots, dtype="int32") < limit)[None, :]
 
 
 def _check_cache_heads(layer):
@@ -330,28 +328,7 @@ def _check_cache(layer, layout, shapes, cache):
 
 
 def _check_index(index, length, num_slots):
-    """`cache_update_index`: a Python int or a scalar integer tensor; a
-    Python int must leave room for the `length` new tokens."""
-    if isinstance(index, bool) or not (
-        isinstance(index, numbers.Integral)
-        or (
-            hasattr(index, "shape")
-            and len(index.shape) == 0
-            and "int" in keras.backend.standardize_dtype(index.dtype)
-        )
-    ):
-        raise ValueError(
-            "`cache_update_index` must be an integer or a scalar integer "
-            f"tensor. Received: cache_update_index={index!r}"
-        )
-    if (
-        isinstance(index, numbers.Integral)
-        and num_slots is not None
-        and length is not None
-        and not 0 <= index <= num_slots - length
-    ):
-        raise ValueError(
-            "`cache_update_index` is out of range: slots "
-            f"{index}..{index + length - 1} do not fit a cache of "
-            f"{num_slots} slots. Received: cache_update_index={index}"
-        )
+    """`cache_update_index`: a Python int or a scalar integer tensor that
+    leaves room for the `length` new tokens (checked when it has a value;
+    a traced one that does not writes nothing, `cache._write_run`)."""
+    checks.cache_index(index, length, num_slots, rolling=False)

@@ -383,6 +383,11 @@ def cache_index(index, length, num_slots, rolling):
             "`cache_update_index` must be an integer or a scalar integer "
             f"tensor. Received: cache_update_index={index!r}"
         )
+    if not rolling and length is not None and length > num_slots:
+        raise ValueError(
+            f"{length} new tokens do not fit a cache of {num_slots} slots "
+            f"at any `cache_update_index`. Received: key.shape[1]={length}"
+        )
     value = cache_lib.concrete_int(index)  # `None` when traced
     if value is not None:
         index = value
@@ -568,16 +573,13 @@ def cache_parts(cache):
     for i, part in enumerate(cache[:2]):
         cache_tensor(part, f"cache[{i}]")
     valid = cache[2]
-    if not hasattr(valid, "shape") or not hasattr(valid, "dtype"):
-        raise TypeError(
-            "`cache[2]` (valid) must be a boolean tensor (see "
-            f"`init_cache`). Received: cache[2] of type {type(valid).__name__}"
-        )
-    dtype = keras.backend.standardize_dtype(valid.dtype)
+    tensor = hasattr(valid, "shape") and hasattr(valid, "dtype")
+    dtype = keras.backend.standardize_dtype(valid.dtype) if tensor else None
     if dtype != "bool":
         raise TypeError(
-            "`cache[2]` (valid) must be a boolean tensor (see "
-            f"`init_cache`). Received: cache[2].dtype={dtype}"
+            "`cache[2]` (valid) must be a boolean tensor (see `init_cache`). "
+            "Received: " + (f"cache[2].dtype={dtype}" if tensor else
+                            f"cache[2] of type {type(valid).__name__}")
         )
     return cache
 

@@ -1272,8 +1272,9 @@ def test_alternate_timing_takes_turns():
     results = bench_worker.time_alternately(
         [(name, functools.partial(calls.append, name)) for name in "ab"],
         3, "both")
-    # Two rounds of warm-up calls, then three timed rounds.
-    assert calls == ["a", "b"] * 5
+    # Two rounds of warm-up calls, then three timed rounds, every other one
+    # in reverse order.
+    assert calls == ["a", "b"] * 2 + ["a", "b", "b", "a", "a", "b"]
     assert set(results) == {"a", "b"}
     for result in results.values():
         assert result["repeats"] == 3 and len(result["times_s"]) == 3

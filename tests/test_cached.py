@@ -563,11 +563,39 @@ class TestErrors:
         with pytest.raises(ValueError, match=r"`cache` must have shape"):
             self._layer()(x, x, cache=cache, cache_update_index=0)
 
-    def test_index_out_of_range(self, rng):
+    @pytest.mark.parametrize("as_tensor", [False, True])
+    def test_index_out_of_range(self, rng, as_tensor):
+        """Eager calls check a tensor index as they check an int (an
+        in-place write would otherwise fail in the backend, or clamp)."""
         x = _inputs(rng, 1)
         cache = np.zeros((BATCH, 2, 3, HEADS, HEAD_DIM), dtype="float32")
-        with pytest.raises(ValueError, match="`cache_update_index`"):
-            self._layer()(x, x, cache=cache, cache_update_index=3)
+        index = keras.ops.convert_to_tensor(3, "int32") if as_tensor else 3
+        with pytest.raises(ValueError, match=r"cache_update_index=3\b"):
+            self._layer()(x, x, cache=cache, cache_update_index=index)
+
+    @pytest.mark.skipif(BACKEND not in ("jax", "tensorflow"),
+                        reason="only jax.jit and tf.function trace a step")
+    @pytest.mark.parametrize("stepped", [False, True],
+                             ids=["one-block", "stepped"])
+    def test_traced_index_out_of_range_writes_nothing(self, rng, stepped,
+                                                      monkeypatch):
+        """Traced, no error can be raised: an index whose token does not
+        fit writes nothing (never a clamped slot), on both writes (a cache
+        of one block, and the step's over a larger one)."""
+        from keras_mha.attention import decode
+
+        if stepped:  # a cache of more than one block takes the step
+            monkeypatch.setitem(decode.BLOCK_SIZES, BACKEND, 2)
+        x = _inputs(rng, 1)
+        layer = self._layer()
+        cache = rng.normal(size=(BATCH, 2, 3, HEADS, HEAD_DIM))
+        cache = cache.astype("float32")
+        step = compiled(lambda token, cache, index: layer(
+            token, token, cache=cache, cache_update_index=index))
+        for index in (3, 100, -1):
+            _, after = step(x, cache,
+                            keras.ops.convert_to_tensor(index, "int32"))
+            np.testing.assert_array_equal(to_numpy(after), cache)
 
     def test_cache_needs_value_dim_equal_key_dim(self, rng):
         x = _inputs(rng, 1)

@@ -312,6 +312,21 @@ class TestCacheErrors:
             layer(x, x, use_causal_mask=True, cache=layer.init_cache(2, 8),
                   cache_update_index=index)
 
+    def test_more_tokens_than_slots(self, rng):
+        """More new tokens than a full cache has slots fit at no index: a
+        `ValueError` even when the index is traced."""
+        x, layer = self._layer(rng)
+
+        def step(token, cache, index):
+            return layer(token, token, use_causal_mask=True, cache=cache,
+                         cache_update_index=index)
+
+        index = keras.ops.convert_to_tensor(0, "int32")
+        for run in (step, compiled(step)):
+            with pytest.raises(ValueError, match=r"3 new tokens .* 2 slots.*"
+                               r"Received: key.shape\[1\]=3"):
+                run(x, layer.init_cache(2, 2), index)
+
     def test_traced_index_out_of_range_writes_nothing(self, rng):
         """Under `jax.jit` / `tf.function(jit_compile=True)` no error can be
         raised: the write is dropped (never a clamped slot), the same on

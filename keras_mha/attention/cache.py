@@ -172,8 +172,8 @@ def _guard(start, length, num_slots):
     """`(start, fits)` of a run of `length` slots from a tensor `start`:
     clamped into the cache, and whether it fitted as it was."""
     start = ops.cast(start, "int32")
-    fits = ops.logical_and(start >= 0, start + length <= num_slots)
-    return ops.clip(start, 0, num_slots - length), fits
+    clamped = ops.clip(start, 0, num_slots - length)
+    return clamped, ops.equal(clamped, start)  # 3 graph ops, not 6
 
 
 def _writes_in_place(cache):

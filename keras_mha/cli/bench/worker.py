@@ -248,21 +248,16 @@ class Worker:
                 del out
         finally:
             peak, absolute = self.meter.stop()
-        return {
-            "status": plan.OK,
-            "time_s": statistics.median(times),
-            "times_s": times,
-            "repeats": count,
-            "first_call_s": first,
-            "peak_bytes": peak,
-            "rss_peak_bytes": absolute,
-        }
+        return _timed(times, first, peak, absolute)
 
     def time_alternately(self, calls, repeats, compiler):
         """`{name: result}` (`time_calls`'s) of the named `calls`, timed in
         turn, one call of each per round, so that whatever else the
-        machine does in those seconds falls on all of them alike. Each is
-        warmed by two calls first; the time cap bounds the rounds."""
+        machine does in those seconds falls on all of them alike; every
+        other round runs them in reverse order, so none always goes first
+        (timing keras-hub's model against itself read 0.97-1.00x in the
+        same order each round). Each is warmed by two calls first; the time
+        cap bounds the rounds."""
         block = self.backend.block
         self.emit({"event": "trying", "compiler": compiler,
                    "fallback": False})
@@ -282,18 +277,15 @@ class Worker:
         times = {name: [] for name, _ in calls}
         self.meter.start()
         try:
-            for _ in range(count):
-                for name, fn in calls:
+            for number in range(count):
+                for name, fn in calls[::-1] if number % 2 else calls:
                     started = time.perf_counter()
                     block(fn())
                     times[name].append(time.perf_counter() - started)
         finally:
             peak, absolute = self.meter.stop()
-        return {name: {"status": plan.OK,
-                       "time_s": statistics.median(times[name]),
-                       "times_s": times[name], "repeats": count,
-                       "first_call_s": first[name], "peak_bytes": peak,
-                       "rss_peak_bytes": absolute, "compiler": compiler}
+        return {name: dict(_timed(times[name], first[name], peak, absolute),
+                           compiler=compiler)
                 for name, _ in calls}
 
     def time_candidates(self, candidates, repeats, warmup=1):
@@ -754,6 +746,14 @@ class Worker:
             result["path"] = layer.attention_path(
                 tuple(x.shape), tuple(x.shape), use_causal_mask=True)
         return result
+
+
+def _timed(times, first, peak, absolute):
+    """A timed unit's result: the median of `times`, the first call's time
+    and the memory peak added and absolute."""
+    return {"status": plan.OK, "time_s": statistics.median(times),
+            "times_s": times, "repeats": len(times), "first_call_s": first,
+            "peak_bytes": peak, "rss_peak_bytes": absolute}
 
 
 def _bytes(tensors):
