@@ -294,7 +294,8 @@ def _check_call(
     else:
         _check_cache(layer, layout, shapes, cache)
         if cache_update_index is not None:
-            _check_index(cache_update_index, key_shape[1], cache.shape[2])
+            checks.cache_index(cache_update_index, key_shape[1],
+                               cache.shape[2], rolling=False)
         key_shape = (shapes["query"][0], cache.shape[2], key_shape[-1])
     if attention_mask is not None:
         checks.mask_argument(
@@ -326,9 +327,3 @@ def _check_cache(layer, layout, shapes, cache):
             f"`init_cache`). Received: cache.shape={shape}"
         )
 
-
-def _check_index(index, length, num_slots):
-    """`cache_update_index`: a Python int or a scalar integer tensor that
-    leaves room for the `length` new tokens (checked when it has a value;
-    a traced one that does not writes nothing, `cache._write_run`)."""
-    checks.cache_index(index, length, num_slots, rolling=False)

@@ -73,13 +73,6 @@ def slot_positions(index, num_slots, rolling, slots=None):
     return index - 1 - ops.mod(index - 1 - slots, num_slots)
 
 
-def split(cache):
-    """`(keys, values, valid)`: `(B, L, K, H)`, `(B, L, K, V)`, `(B, L)`
-    bool."""
-    keys, values, valid = cache
-    return keys, values, ops.cast(valid, "bool")
-
-
 def write(cache, key, value, valid, index, rolling):
     """Writes `T` new tokens at positions `index .. index+T-1`.
 
@@ -118,10 +111,8 @@ def write(cache, key, value, valid, index, rolling):
         else:
             start = index
         fits = None
-        if not rolling and not isinstance(start, int) and not all(
-            _writes_in_place(part) for part in cache
-        ):  # one guard for the three
-            start, fits = _guard(start, length, num_slots)
+        if not rolling:  # one guard for the three
+            start, fits = _guarded(start, length, num_slots, cache)
         return tuple(
             _write_run(part, run, start, fits=fits)
             for part, run in zip(cache, new)
@@ -168,6 +159,16 @@ def _write_run(cache, new, start, axis=1, fits=None):
     return ops.slice_update(cache, tuple(starts), new)
 
 
+def _guarded(start, length, num_slots, tensors):
+    """`(start, fits)` for `_write_run` into each of `tensors`: a tensor
+    `start` guarded (`_guard`) unless every one of them is written in
+    place (an eager call, whose index `checks.py` checked); `fits` is
+    `None` otherwise."""
+    if isinstance(start, int) or all(_writes_in_place(t) for t in tensors):
+        return start, None
+    return _guard(start, length, num_slots)
+
+
 def _guard(start, length, num_slots):
     """`(start, fits)` of a run of `length` slots from a tensor `start`:
     clamped into the cache, and whether it fitted as it was."""
@@ -208,15 +209,10 @@ def write_pair(cache, key, value, index, halves=True):
         stacked).
     """
     key, value = ops.cast(key, cache.dtype), ops.cast(value, cache.dtype)
+    index, fits = _guarded(index, key.shape[1], cache.shape[2], (cache,))
     if not halves or _writes_in_place(cache):
         new = ops.stack([key, value], axis=1)  # (B, 2, T, K, H)
-        fits = None
-        if not isinstance(index, int) and not _writes_in_place(cache):
-            index, fits = _guard(index, key.shape[1], cache.shape[2])
         return _write_run(cache, new, index, axis=2, fits=fits), None, None
-    fits = None
-    if not isinstance(index, int):  # one guard for both halves
-        index, fits = _guard(index, key.shape[1], cache.shape[2])
     keys = _write_run(cache[:, 0], key, index, fits=fits)
     values = _write_run(cache[:, 1], value, index, fits=fits)
     return ops.stack([keys, values], axis=1), keys, values
@@ -242,7 +238,7 @@ def attend_inputs(cache, key, value, key_mask, index, rolling):
         `(B, L + T, K, H)`, values `(B, L + T, K, V)`, boolean
         `(B, L + T)`, integer `(L + T,)` (negative: no token) and the cache.
     """
-    old_key, old_value, old_valid = split(cache)
+    old_key, old_value, old_valid = cache
     num_slots, length = old_key.shape[1], ops.shape(key)[1]
     index = ops.cast(index, "int32")
     old_positions = slot_positions(index, num_slots, rolling)

@@ -21,9 +21,10 @@ loop as one compiled function (a graph, `jax.jit`), which saves the loop's
 per-op dispatch.
 
 Shapes: query `(B, T, N, H)`; the cache `(keys, values, valid)`, `(B, L,
-K, H)`, `(B, L, K, V)` and `(B, L)` (see `cache.py`). The numbers are those of `explicit.explicit_attention` with
-the spec's keys at their slots' positions: scale, soft-cap, ALiBi, sinks,
-masks, and weights 0 for a row with nothing to attend to.
+K, H)`, `(B, L, K, V)` and `(B, L)` (see `cache.py`). The numbers are those
+of `explicit.explicit_attention` with the spec's keys at their slots'
+positions: scale, soft-cap, ALiBi, sinks, masks, and weights 0 for a row
+with nothing to attend to.
 """
 
 import functools

@@ -23,9 +23,10 @@ Cache writes (`cache.py`): `ops.slice_update` copies the whole cache in an
 eager call (torch clones it; JAX arrays are immutable), O(L) per token.
 `write_slots` writes the `T` new slots of each of its tensors in place
 instead: torch's `copy_` into the slots, and on JAX a jitted
-`dynamic_update_slice` that donates the tensor, so XLA reuses its buffer. Measured on the 2-core CPU (one token,
-8 heads of 64, p = 1024): a step in a 65,536-slot cache went from 368 to
-3.2 ms on torch and from 102 to about the 2,048-slot time on JAX.
+`dynamic_update_slice` that donates the tensor, so XLA reuses its buffer.
+Measured on the 2-core CPU (one token, 8 heads of 64, p = 1024): a step in
+a 65,536-slot cache went from 368 to 3.2 ms on torch and from 102 to about
+the 2,048-slot time on JAX.
 
 Each function imports its backend: the module is imported only by the
 paths that use it, on that backend.
