@@ -38,6 +38,16 @@ def rotary_dim_of(shape, rotary_dim=None):
     return size if rotary_dim is None else rotary_dim
 
 
+def _checked_positions(positions):
+    """`positions`, of shape `(L,)` or `(B, L)`."""
+    if len(positions.shape) not in (1, 2):
+        raise ValueError(
+            "Argument `positions` must have shape (L,) or (B, L). "
+            f"Received: positions.shape={tuple(positions.shape)}"
+        )
+    return positions
+
+
 def _positive(name, value):
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
         0 < value < float("inf")
@@ -109,12 +119,7 @@ class RotaryEmbedding(keras.layers.Layer):
             positions = ops.arange(
                 ops.shape(inputs)[1], dtype="float32"
             ) + ops.cast(start_index, "float32")  # (L,)
-        positions = ops.convert_to_tensor(positions)
-        if len(positions.shape) not in (1, 2):
-            raise ValueError(
-                "Argument `positions` must have shape (L,) or (B, L). "
-                f"Received: positions.shape={tuple(positions.shape)}"
-            )
+        positions = _checked_positions(ops.convert_to_tensor(positions))
         # 1/scaling_factor is folded into the frequencies, in float64: the
         # same angles in real arithmetic, one float32 rounding fewer.
         inv_freq = np.power(
@@ -142,6 +147,15 @@ class RotaryEmbedding(keras.layers.Layer):
         )
         rotated = ops.cast(rotated, inputs.dtype)
         return ops.concatenate([rotated, *rest], -1) if rest else rotated
+
+    def compute_output_spec(self, inputs, start_index=0, positions=None):
+        """`inputs`' shape and dtype, the arguments checked: a symbolic
+        call runs no arithmetic (on NumPy, `call` would run on the
+        placeholder's uninitialised memory, NaNs included)."""
+        rotary_dim_of(inputs.shape, self.rotary_dim)
+        if positions is not None:
+            _checked_positions(positions)
+        return keras.KerasTensor(inputs.shape, dtype=inputs.dtype)
 
     def get_config(self):
         config = super().get_config()
