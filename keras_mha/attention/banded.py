@@ -311,19 +311,33 @@ def _portable_core(query, key, value, mask, spec, band, keep=None):
     q = ops.multiply(query, ops.cast(spec.scale, query.dtype))
     q = ops.reshape(q, (batch, c, chunk, b, num_kv, groups, head))
     q = ops.transpose(q, (1, 0, 4, 2, 3, 5, 6))  # (c, B, K, C, b, G, H)
+    # The grouped heads ride along as rows of both products, `b·G` rows
+    # per block: no axis of size 1 (B, G) sits between XLA's products,
+    # which would otherwise copy the scores to change their layout.
+    rows = (c, -1, num_kv, chunk, b * groups)
+    q = ops.reshape(q, rows + (head,))  # (c, B, K, C, b·G, H)
     k = _chunk_windows(_frame(key, band), band)  # (c, B, K, C+L+R, b, H)
     v = _chunk_windows(_frame(value, band), band)  # (c, B, K, C+L+R, b, V)
-    m = ops.reshape(mask, (-1, c, chunk, b, band.span))
-    m = ops.transpose(m, (1, 0, 2, 3, 4))  # (c, B|1, C, b, span)
+    # The mask as an additive bias (0 or MASKED_LOGIT), built once: a sum,
+    # unlike a select, lets XLA's CPU backend fuse the two products and
+    # the softmax between them into one kernel (see `CHUNK_BYTES`).
+    m = ops.where(
+        mask, ops.zeros((), q.dtype), ops.cast(logits.MASKED_LOGIT, q.dtype)
+    )
+    m = ops.reshape(m, (-1, c, chunk, b, band.span))
+    if groups > 1:
+        m = ops.repeat(m, groups, axis=3)  # row r·G + g reads row r
+    m = ops.transpose(m, (1, 0, 2, 3, 4))[:, :, None]
+    # m: (c, B|1, 1, C, b·G, span)
 
     inputs = (q, k, v, m)
     if keep is not None:
-        inputs += (keep,)
+        inputs += (ops.reshape(keep, rows + (band.span,)),)
     # What every chunk reads whole: ALiBi's term and the sinks (zeros when
     # unused), carried through the loop unchanged.
     constants = (
         _alibi_term(band, spec.alibi, num_kv, groups, q.dtype),
-        _sinks(spec.sinks, num_kv, groups, q.dtype),
+        _sinks(spec.sinks, num_kv, groups, b, q.dtype),
     )
     attend = _chunk_attention(
         band, spec.dropout if keep is not None else 0.0, spec.soft_cap,
@@ -340,13 +354,14 @@ def _portable_core(query, key, value, mask, spec, band, keep=None):
     else:
         # Keras's TensorFlow `scan` wants outputs shaped like the carry.
         out = ops.map(lambda chunk: attend(constants, chunk)[1], inputs)
-    # out: (c, B, K, C, b, G, V)
+    # out: (c, B, K, C, b·G, V)
+    out = ops.reshape(out, rows[:4] + (b, groups, value_head))
     out = ops.transpose(out, (1, 0, 3, 4, 2, 5, 6))  # (B, c, C, b, K, G, V)
     return ops.reshape(out, (batch, band.padded_len, num_heads, value_head))
 
 
 def _alibi_term(band, slopes, num_kv, groups, dtype):
-    """`(1, K, 1, b, G, span)`: ALiBi's `-m_h·|p - j|` for every block (the
+    """`(1, K, 1, b·G, span)`: ALiBi's `-m_h·|p - j|` for every block (the
     distance of query row `r` and span key `s` is the same in each)."""
     if slopes is None:
         return ops.zeros((), dtype)
@@ -358,14 +373,17 @@ def _alibi_term(band, slopes, num_kv, groups, dtype):
     slopes = ops.reshape(
         ops.convert_to_tensor(slopes, dtype), (1, num_kv, 1, 1, groups, 1)
     )
-    return logits.alibi(slopes, distance[:, None, :], dtype)
+    term = logits.alibi(slopes, distance[:, None, :], dtype)
+    return ops.reshape(term, (1, num_kv, 1, band.block * groups, band.span))
 
 
-def _sinks(sinks, num_kv, groups, dtype):
-    """`(1, K, 1, 1, G, 1)`: each query head's sink logit (or a zero)."""
+def _sinks(sinks, num_kv, groups, block, dtype):
+    """`(1, K, 1, b·G, 1)`: each query row's sink logit (or a zero)."""
     if sinks is None:
         return ops.zeros((), dtype)
-    return ops.reshape(ops.cast(sinks, dtype), (1, num_kv, 1, 1, groups, 1))
+    sinks = ops.reshape(ops.cast(sinks, dtype), (1, num_kv, 1, 1, groups, 1))
+    sinks = ops.broadcast_to(sinks, (1, num_kv, 1, block, groups, 1))
+    return ops.reshape(sinks, (1, num_kv, 1, block * groups, 1))
 
 
 @functools.lru_cache(maxsize=64)
@@ -382,31 +400,28 @@ def _chunk_attention(band, rate, soft_cap, use_alibi, use_sinks):
         alibi, sinks = carry
         k_c = _chunk_spans(k_c, band)  # (B, K, C, span, H)
         v_c = _chunk_spans(v_c, band)  # (B, K, C, span, V)
-        scores = ops.einsum("bkcrgh,bkcsh->bkcrgs", q_c, k_c)
-        # scores: (B, K, C, b, G, span)
+        scores = ops.einsum("bkcrh,bkcsh->bkcrs", q_c, k_c)
+        # scores: (B, K, C, b·G, span)
         scores = logits.soft_cap(scores, soft_cap)
         if use_alibi:
             scores = ops.add(scores, alibi)
-        m_c = m_c[:, None, :, :, None, :]  # (B|1, 1, C, b, 1, span)
-        scores = ops.where(
-            m_c, scores, ops.cast(logits.MASKED_LOGIT, scores.dtype)
-        )
-        # The softmax with its division deferred to the output, `(b, G, V)`
-        # per block instead of `(b, G, span)`. A row with no allowed key is
+        scores = ops.add(scores, m_c)
+        # The softmax with its division deferred to the output, `(b·G, V)`
+        # per block instead of `(b·G, span)`. A row with no allowed key is
         # uniform (or all on its sink) here; the caller zeroes it.
         top = ops.max(scores, axis=-1, keepdims=True)
         if use_sinks:
             top = ops.maximum(top, sinks)
         weights = ops.exp(ops.subtract(scores, top))
-        total = ops.sum(weights, axis=-1, keepdims=True)  # (B, K, C, b, G, 1)
+        total = ops.sum(weights, axis=-1, keepdims=True)  # (B, K, C, b·G, 1)
         if use_sinks:
             total = ops.add(total, ops.exp(ops.subtract(sinks, top)))
         if rate:
-            kept = ops.cast(inputs[4], weights.dtype)  # (B, K, C, b, G, span)
+            kept = ops.cast(inputs[4], weights.dtype)  # (B, K, C, b·G, span)
             weights = ops.multiply(weights, ops.multiply(kept, 1.0 / (1.0 - rate)))
-        out = ops.einsum("bkcrgs,bkcsv->bkcrgv", weights, v_c)
+        out = ops.einsum("bkcrs,bkcsv->bkcrv", weights, v_c)
         out = ops.divide(out, total)
-        return carry, out  # (B, K, C, b, G, V)
+        return carry, out  # (B, K, C, b·G, V)
 
     return attend
 
@@ -435,11 +450,14 @@ def _chunk_windows(x, band):
     x = ops.reshape(
         x, (batch, band.frame_blocks, band.block, num_kv, features)
     )  # (B, n + L + R, b, K, X)
-    starts = [
-        [j * band.chunk + i for i in range(width)]
-        for j in range(band.num_chunks)
-    ]
-    x = ops.take(x, ops.convert_to_tensor(starts, "int32"), axis=1)
+    if band.num_chunks == 1:
+        x = ops.expand_dims(x, 1)  # the whole frame: no gather to fuse
+    else:
+        starts = [
+            [j * band.chunk + i for i in range(width)]
+            for j in range(band.num_chunks)
+        ]
+        x = ops.take(x, ops.convert_to_tensor(starts, "int32"), axis=1)
     # x: (B, c, C + L + R, b, K, X)
     return ops.transpose(x, (1, 0, 4, 2, 3, 5))
 
@@ -538,3 +556,4 @@ def _score_bytes(query):
 
 def _round_up_pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
+
