@@ -7,9 +7,14 @@ weighted sum), so of the `(T, T)` scores only one `(b, b)` block per head
 exists at a time, and the blocks above the diagonal are never computed.
 Only the diagonal block needs the causal mask.
 
-    query blocks   (n, B, K, b, G, H)    grouped heads ride along as rows
+    query blocks   (n, B, K, b·G, H)    grouped heads ride along as rows
     key blocks     (n, B, K, b, H)
-    scores         (B, K, b, G, b)       one pair of blocks
+    scores         (B, K, b·G, b)       one pair of blocks
+
+Row `r·G + g` of a query block is query `r` of head `g` in its group: the
+products have three axes of batch and one of rows, with no axis of size 1
+between them (a lone `B` or `G` makes XLA's CPU backend copy each block's
+scores to another layout).
 
 The backward pass is a custom gradient that keeps only the output and each
 row's log-sum-exp, and recomputes the block weights from them: one sweep
@@ -53,6 +58,7 @@ _Geometry = collections.namedtuple(
     [
         "block",  # b
         "num_blocks",  # n
+        "groups",  # G, query heads per key head
         "soft_cap",  # None or c
         "alibi",  # None or the slopes, a tuple of N floats
         "use_sinks",
@@ -97,6 +103,7 @@ def blocked_attention(query, key, value, spec, block_size=None):
     geometry = _Geometry(
         block=block,
         num_blocks=num_blocks,
+        groups=groups,
         soft_cap=spec.soft_cap,
         alibi=None if spec.alibi is None else tuple(spec.alibi),
         use_sinks=spec.sinks is not None,
@@ -110,6 +117,9 @@ def blocked_attention(query, key, value, spec, block_size=None):
         (batch, num_blocks, block, num_kv, groups, query.shape[3]),
     )
     q = ops.transpose(q, (1, 0, 3, 2, 4, 5))  # (n, B, K, b, G, H)
+    q = ops.reshape(
+        q, (num_blocks, -1, num_kv, block * groups, query.shape[3])
+    )  # (n, B, K, b·G, H)
     k, v = (_key_blocks(_pad(x, padded - length), geometry)
             for x in (key, value))  # (n, B, K, b, H|V)
     if spec.sinks is None:
@@ -118,7 +128,10 @@ def blocked_attention(query, key, value, spec, block_size=None):
         sinks = ops.reshape(ops.cast(spec.sinks, q.dtype), (num_kv, groups))
     rows, keys = _token_blocks(spec, geometry, padded - length)
     out = _attention(geometry)(q, k, v, sinks, *rows, *keys)
-    # out: (n, B, K, b, G, V)
+    # out: (n, B, K, b·G, V)
+    out = ops.reshape(
+        out, (num_blocks, -1, num_kv, block, groups, value.shape[3])
+    )
     out = ops.transpose(out, (1, 0, 3, 2, 4, 5))  # (B, n, b, K, G, V)
     out = ops.reshape(out, (batch, padded, num_heads, value.shape[3]))
     return ops.cast(out[:, :length], out_dtype)  # (B, T, N, V)
@@ -139,27 +152,35 @@ def _key_blocks(x, geometry):
 
 
 def _token_blocks(spec, geometry, pad):
-    """The call's per-token tensors in blocks `(n, B, b)`: `(rows, keys)`.
+    """The call's per-token tensors in blocks: `(rows, keys)`.
 
-    `rows`: the query mask and the query ids, `keys`: the key mask and the
-    key ids, each only where the geometry says the call has it. With ids
-    and no key mask, a key mask marks the padding (whose id would match).
+    `rows`: the query mask and the query ids, `(n, B, b·G)` (each query's
+    value repeated for the `G` heads of its rows); `keys`: the key mask and
+    the key ids, `(n, B, b)`; each only where the geometry says the call
+    has it. With ids and no key mask, a key mask marks the padding (whose
+    id would match).
     """
     def blocks(x, dtype):
         x = _pad(ops.cast(x, dtype), pad)
         x = ops.reshape(x, (-1, geometry.num_blocks, geometry.block))
         return ops.transpose(x, (1, 0, 2))
 
+    def row_blocks(x, dtype):
+        x = blocks(x, dtype)
+        return x if geometry.groups == 1 else ops.repeat(
+            x, geometry.groups, axis=2
+        )
+
     rows, keys = [], []
     if geometry.query_mask:
-        rows.append(blocks(spec.query_mask, "bool"))
+        rows.append(row_blocks(spec.query_mask, "bool"))
     if geometry.key_mask:
         keys.append(blocks(spec.key_mask, "bool"))
     elif geometry.segments:
         keys.append(blocks(ops.ones_like(spec.key_segment_ids, "bool"),
                            "bool"))
     if geometry.segments:
-        rows.append(blocks(spec.segment_ids, "int32"))
+        rows.append(row_blocks(spec.segment_ids, "int32"))
         keys.append(blocks(spec.key_segment_ids, "int32"))
     return tuple(rows), tuple(keys)
 
@@ -191,35 +212,34 @@ def _pick(tensors, index):
 
 def _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal, sinks):
     """The modified, masked logits of query block `i` over key block `j`,
-    `(B, K, b, G, b)`, and `tanh(logits / c)` when there is a soft-cap
+    `(B, K, b·G, b)`, and `tanh(logits / c)` when there is a soft-cap
     (its derivative needs it)."""
-    s = ops.einsum("bkqgh,bksh->bkqgs", q_i, k_j)  # (B, K, b, G, b)
+    s = ops.einsum("bkrh,bksh->bkrs", q_i, k_j)  # (B, K, b·G, b)
     tanh = None
     if geometry.soft_cap is not None:
         cap = ops.cast(geometry.soft_cap, s.dtype)
         tanh = ops.tanh(ops.divide(s, cap))
         s = ops.multiply(cap, tanh)
-    b = geometry.block
+    b, groups = geometry.block, geometry.groups
     offsets = ops.subtract(
-        ops.reshape(ops.arange(b, dtype="int32"), (b, 1)),
+        ops.reshape(ops.arange(b * groups, dtype="int32") // groups,
+                    (b * groups, 1)),
         ops.reshape(ops.arange(b, dtype="int32"), (1, b)),
-    )  # (b, b): row - column within the blocks
+    )  # (b·G, b): query row - key column within the blocks
     if geometry.alibi is not None:
         distance = ops.add(offsets, ops.cast((i - j) * b, "int32"))
-        slopes = ops.reshape(
-            ops.convert_to_tensor(geometry.alibi, s.dtype),
-            (1, sinks.shape[0], 1, sinks.shape[1], 1),
-        )  # (1, K, 1, G, 1)
-        s = ops.add(s, logits.alibi(slopes, distance[:, None, :], s.dtype))
+        s = ops.add(s, logits.alibi(_row_values(ops.reshape(
+            ops.convert_to_tensor(geometry.alibi, s.dtype), sinks.shape
+        ), b), distance, s.dtype))
     mask = None
     if diagonal:
-        mask = ops.greater_equal(offsets, 0)[None, None, :, None, :]
+        mask = ops.greater_equal(offsets, 0)[None, None]
     query_mask, query_ids, key_mask, key_ids = _unpack(geometry, rows, keys)
     for extra in (
-        None if query_mask is None else query_mask[:, None, :, None, None],
-        None if key_mask is None else key_mask[:, None, None, None, :],
+        None if query_mask is None else query_mask[:, None, :, None],
+        None if key_mask is None else key_mask[:, None, None, :],
         None if query_ids is None else ops.equal(
-            query_ids[:, None, :, None, None], key_ids[:, None, None, None, :]
+            query_ids[:, None, :, None], key_ids[:, None, None, :]
         ),
     ):
         if extra is not None:
@@ -260,7 +280,7 @@ def _attention(geometry):
         indices = ops.arange(blocks, dtype="int32")
         out, lse, has_key = _loop_blocks(
             forward, (k, v, sinks, keys), (indices, q, k, v, rows, keys)
-        )  # (n, B, K, b, G, V), (n, B, K, b, G, 1) twice
+        )  # (n, B, K, b·G, V), (n, B, K, b·G, 1) twice
 
         def grad(*args, upstream=None):
             if upstream is None:
@@ -268,7 +288,7 @@ def _attention(geometry):
             d_out = upstream
             if _has_token_masks(geometry):  # zeroed rows pass nothing back
                 d_out = ops.where(has_key, d_out, ops.zeros_like(d_out))
-            # FlashAttention-2's D: each row's dO·O, (n, B, K, b, G, 1).
+            # FlashAttention-2's D: each row's dO·O, (n, B, K, b·G, 1).
             delta = ops.sum(ops.multiply(d_out, out), axis=-1, keepdims=True)
             d_q = _loop_blocks(
                 query_grads, (k, v, sinks, keys),
@@ -281,10 +301,17 @@ def _attention(geometry):
             d_sinks = ops.zeros_like(sinks)
             if geometry.use_sinks:
                 # The sink is a key of value 0: dL/ds = -sum P(sink)·D.
-                p_sink = ops.exp(ops.subtract(_sink_logits(sinks), lse))
-                d_sinks = ops.negative(ops.sum(
-                    ops.multiply(p_sink, delta), axis=(0, 1, 3, 5)
-                ))  # (K, G)
+                p_sink = ops.exp(ops.subtract(
+                    _row_values(sinks, geometry.block), lse
+                ))  # (n, B, K, b·G, 1)
+                num_kv, groups = sinks.shape
+                per_row = ops.reshape(
+                    ops.multiply(p_sink, delta),
+                    (blocks, -1, num_kv, geometry.block, groups),
+                )  # (n, B, K, b, G)
+                d_sinks = ops.negative(
+                    ops.sum(per_row, axis=(0, 1, 3))
+                )  # (K, G)
             return (d_q, d_k, d_v, d_sinks) + (None,) * len(tokens)
 
         return out, grad
@@ -294,10 +321,13 @@ def _attention(geometry):
     return ops.custom_gradient(attention)
 
 
-def _sink_logits(sinks):
-    """`(K, G)` -> `(1, K, 1, G, 1)`."""
-    num_kv, groups = sinks.shape
-    return ops.reshape(sinks, (1, num_kv, 1, groups, 1))
+def _row_values(per_head, block):
+    """One value per query head `(K, G)` -> per row `(1, K, b·G, 1)`."""
+    num_kv, groups = per_head.shape
+    rows = ops.broadcast_to(
+        ops.reshape(per_head, (num_kv, 1, groups)), (num_kv, block, groups)
+    )
+    return ops.reshape(rows, (1, num_kv, block * groups, 1))
 
 
 def _forward_body(geometry):
@@ -313,14 +343,14 @@ def _forward_body(geometry):
                            sinks)
             m_new = ops.maximum(m, ops.max(s, axis=-1, keepdims=True))
             correction = ops.exp(ops.subtract(m, m_new))
-            p = ops.exp(ops.subtract(s, m_new))  # (B, K, b, G, b)
+            p = ops.exp(ops.subtract(s, m_new))  # (B, K, b·G, b)
             l = ops.add(ops.multiply(l, correction),
                         ops.sum(p, axis=-1, keepdims=True))
             acc = ops.add(ops.multiply(acc, correction),
-                          ops.einsum("bkqgs,bksv->bkqgv", p, v_j))
+                          ops.einsum("bkrs,bksv->bkrv", p, v_j))
             return m_new, l, acc
 
-        stats = ops.shape(q_i)[:-1] + (1,)  # (B, K, b, G, 1)
+        stats = ops.shape(q_i)[:-1] + (1,)  # (B, K, b·G, 1)
         state = (
             ops.full(stats, logits.MASKED_LOGIT, q_i.dtype),
             ops.zeros(stats, q_i.dtype),
@@ -337,7 +367,7 @@ def _forward_body(geometry):
         # saw no key.
         has_key = ops.greater(m, logits.MASKED_LOGIT / 2)
         if geometry.use_sinks:
-            sink = _sink_logits(sinks)
+            sink = _row_values(sinks, geometry.block)
             top = ops.maximum(m, sink)
             correction = ops.exp(ops.subtract(m, top))
             l = ops.add(ops.multiply(l, correction),
@@ -363,7 +393,7 @@ def _query_grad_body(geometry):
             d_s, _ = _score_grads(geometry, q_i, k_j, v_j, i, j, rows,
                                   keys_j, diagonal, sinks, do_i, lse_i,
                                   delta_i)
-            return ops.add(d_q, ops.einsum("bkqgs,bksh->bkqgh", d_s, k_j))
+            return ops.add(d_q, ops.einsum("bkrs,bksh->bkrh", d_s, k_j))
 
         d_q = update(ops.zeros_like(q_i), k_i, v_i, i, keys_i, True)
         d_q = ops.fori_loop(
@@ -392,8 +422,8 @@ def _key_grad_body(geometry):
                 geometry, q_i, k_j, v_j, i, j, _pick(rows_all, i), keys,
                 diagonal, sinks, do_i, _at(lse, i), _at(delta, i),
             )
-            d_v = ops.add(d_v, ops.einsum("bkqgs,bkqgv->bksv", p, do_i))
-            d_k = ops.add(d_k, ops.einsum("bkqgs,bkqgh->bksh", d_s, q_i))
+            d_v = ops.add(d_v, ops.einsum("bkrs,bkrv->bksv", p, do_i))
+            d_k = ops.add(d_k, ops.einsum("bkrs,bkrh->bksh", d_s, q_i))
             return d_k, d_v
 
         grads = update((ops.zeros_like(k_j), ops.zeros_like(v_j)), j, True)
@@ -411,8 +441,8 @@ def _score_grads(geometry, q_i, k_j, v_j, i, j, rows, keys, diagonal, sinks,
     saved log-sum-exp, and the gradient of the logits `q·k` before the
     soft-cap, `dS = P ⊙ (dO·Vᵀ - D)`, times `1 - tanh²` under a cap."""
     s, tanh = _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal, sinks)
-    p = ops.exp(ops.subtract(s, lse_i))  # (B, K, b, G, b)
-    d_p = ops.einsum("bkqgv,bksv->bkqgs", do_i, v_j)
+    p = ops.exp(ops.subtract(s, lse_i))  # (B, K, b·G, b)
+    d_p = ops.einsum("bkrv,bksv->bkrs", do_i, v_j)
     d_s = ops.multiply(p, ops.subtract(d_p, delta_i))
     if tanh is not None:
         d_s = ops.multiply(d_s, ops.subtract(1.0, ops.square(tanh)))
