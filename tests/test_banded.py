@@ -392,6 +392,35 @@ class TestArguments:
         ] == [32, 32, 128, 128, 128]
         assert banded.default_block_size((16, 100)) == 128  # the wider side
 
+    @pytest.mark.skipif(not banded.native_available(),
+                        reason="only torch has a native path")
+    def test_native_block_follows_differentiation(self, rng, monkeypatch):
+        # Nothing to differentiate: the smallest block; a gradient to
+        # come: `default_block_size`. The same numbers either way.
+        import torch
+
+        blocks = []
+        band = banded._band
+
+        def spy(*args):
+            geometry = band(*args)
+            blocks.append(geometry.block)
+            return geometry
+
+        monkeypatch.setattr(banded, "_band", spy)
+        q, k, v = (torch.tensor(_heads(rng, 300, 2)) for _ in range(3))
+        spec = attention_spec(HEAD, 128, True)
+        plain = banded.banded_attention(q, k, v, spec)
+        q.requires_grad_(True)
+        traced = banded.banded_attention(q, k, v, spec)
+        with torch.no_grad():
+            banded.banded_attention(q, k, v, spec)
+        assert blocks == [banded.NATIVE_INFERENCE_BLOCK,
+                          banded.default_block_size((127, 0)),
+                          banded.NATIVE_INFERENCE_BLOCK]
+        np.testing.assert_allclose(to_numpy(plain), to_numpy(traced.detach()),
+                                   **TOLERANCE)
+
     def test_invalid_implementation(self, rng):
         q = _heads(rng, 10, 2)
         with pytest.raises(ValueError, match="Received: implementation="):

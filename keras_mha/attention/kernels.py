@@ -35,6 +35,17 @@ paths that use it, on that backend.
 import functools
 
 
+def differentiated(*tensors):
+    """Whether torch will differentiate through any of `tensors` (`None`s
+    are skipped): its grad mode is on and one of them requires a
+    gradient."""
+    import torch
+
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in tensors
+    )
+
+
 def banded_core(query, key, value, mask, scale, band, alibi=None,
                 sinks=None, soft_cap=None):
     """`banded._portable_core` with torch's fused attention kernel.
