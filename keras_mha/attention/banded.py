@@ -340,8 +340,11 @@ def _portable_core(query, key, value, mask, spec, band, keep=None):
     k = _chunk_windows(_frame(key, band), band)  # (c, B, K, C+L+R, b, H)
     v = _chunk_windows(_frame(value, band), band)  # (c, B, K, C+L+R, b, V)
     # The mask as an additive bias (0 or MASKED_LOGIT), built once: a sum,
-    # unlike a select, lets XLA's CPU backend fuse the two products and
-    # the softmax between them into one kernel (see `CHUNK_BYTES`).
+    # unlike a select, lets XLA's CPU backend (JAX) fuse the two products
+    # and the softmax between them into one kernel that never writes the
+    # scores (a select splits them into three, with the scores written
+    # between). The sum is the select's value: `s + MASKED_LOGIT` rounds to
+    # MASKED_LOGIT for any logit below 1e22.
     m = ops.where(
         mask, ops.zeros((), q.dtype), ops.cast(logits.MASKED_LOGIT, q.dtype)
     )
