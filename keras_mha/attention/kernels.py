@@ -13,11 +13,7 @@ banded forward about 2x faster and the backward about 1.5x faster than the
 mask and ALiBi go in as an additive bias of one `(b, span)` block shared
 by the band's interior blocks; sinks join the softmax through the flash
 kernel's log-sum-exp; a soft-cap runs as torch products a few blocks at a
-time with a backward of its own. Whole layer at that size, against the
-plain layer in the same run (forward / forward+backward): RoPE 1.16 /
-1.16 (`rotate_half`), soft-cap 1.21 / 1.11, sinks 0.86 / 0.90, ALiBi
-0.86 / 0.92; before these kernels 1.33 / 1.03, 1.81 / 1.45, 1.43 / 1.17
-and 1.28 / 1.11.
+time with a backward of its own (the README's feature table measures each).
 
 Cache writes (`cache.py`): `ops.slice_update` copies the whole cache in an
 eager call (torch clones it; JAX arrays are immutable), O(L) per token.
@@ -36,9 +32,7 @@ import functools
 
 
 def differentiated(*tensors):
-    """Whether torch will differentiate through any of `tensors` (`None`s
-    are skipped): its grad mode is on and one of them requires a
-    gradient."""
+    """Whether torch's grad mode is on and one of `tensors` needs a grad."""
     import torch
 
     return torch.is_grad_enabled() and any(
