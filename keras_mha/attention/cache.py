@@ -113,9 +113,9 @@ def write(cache, key, value, valid, index, rolling):
         fits = None
         if not rolling:  # one guard for the three
             start, fits = _guarded(start, length, num_slots, cache)
-        starts = {rank: _starts(start, rank, 1) for rank in (2, 4)}
+        shared = {}
         return tuple(
-            _write_run(part, run, starts[len(part.shape)], fits=fits)
+            _write_run(part, run, start, fits=fits, shared=shared)
             for part, run in zip(cache, new)
         )
     index = ops.cast(index, "int32")
@@ -133,43 +133,47 @@ def write(cache, key, value, valid, index, rolling):
     return tuple(result)
 
 
-def _starts(start, rank, axis):
-    """The start indices of a run from slot `start` along `axis` of a
-    tensor of `rank`: `(axis, start)` for an in-place write, and the
-    indices of every axis for a slice, a Python tuple or, for a tensor
-    `start`, one int32 tensor, so that the tensors written alike share it
-    (one graph op instead of one per slice and write)."""
-    if isinstance(start, int):
-        indices = [0] * rank
-        indices[axis] = start
-        return axis, start, tuple(indices)
-    indices = [ops.zeros((), "int32")] * rank
-    indices[axis] = ops.cast(start, "int32")
-    return axis, start, ops.stack(indices)
-
-
-def _write_run(cache, new, starts, fits=None):
-    """`new` written into one tensor from the run's `starts` (`_starts`):
-    slots `[start, start + T)` of its axis.
+def _write_run(cache, new, start, axis=1, fits=None, shared=None):
+    """`new` written into slots `[start, start + T)` of `axis` of one
+    tensor.
 
     A full cache's index is checked when it has a value (`checks.py`).
     Traced, an out-of-range run (`start < 0` or past the last slot) writes
     nothing on every backend, rather than the clamped slots that
     `dynamic_update_slice` would write: `fits` is then the caller's guard
     (`_guard`), `None` where the run fits (a rolling cache's slot, a
-    checked index).
+    checked index). `shared`: a dict in which the runs of one write keep
+    their start indices by rank, so the tensors written alike share one
+    (a graph op per write instead of one per slice and per write).
     """
-    axis, start, indices = starts
     if _writes_in_place(cache):
         import keras_mha.attention.kernels as kernels
 
         return kernels.write_slots(cache, new, start, axis)
+    rank = len(cache.shape)
+    indices = None if shared is None else shared.get(rank)
+    if indices is None:
+        indices = _start_indices(start, rank, axis)
+        if shared is not None:
+            shared[rank] = indices
     if fits is not None:
         shape = list(ops.shape(cache))
         shape[axis] = new.shape[axis]
         old = ops.slice(cache, indices, tuple(shape))
         new = ops.where(fits, new, old)
     return ops.slice_update(cache, indices, new)
+
+
+def _start_indices(start, rank, axis):
+    """The start of a run from slot `start` along `axis` in each axis of a
+    tensor of `rank`: a tuple, or one int32 tensor for a tensor `start`."""
+    if isinstance(start, int):
+        indices = [0] * rank
+        indices[axis] = start
+        return tuple(indices)
+    indices = [ops.zeros((), "int32")] * rank
+    indices[axis] = ops.cast(start, "int32")
+    return ops.stack(indices)
 
 
 def _guarded(start, length, num_slots, tensors):
@@ -225,11 +229,10 @@ def write_pair(cache, key, value, index, halves=True):
     index, fits = _guarded(index, key.shape[1], cache.shape[2], (cache,))
     if not halves or _writes_in_place(cache):
         new = ops.stack([key, value], axis=1)  # (B, 2, T, K, H)
-        return _write_run(cache, new, _starts(index, 5, 2), fits=fits), \
-            None, None
-    starts = _starts(index, 4, 1)  # both halves
-    keys = _write_run(cache[:, 0], key, starts, fits=fits)
-    values = _write_run(cache[:, 1], value, starts, fits=fits)
+        return _write_run(cache, new, index, axis=2, fits=fits), None, None
+    shared = {}  # both halves
+    keys = _write_run(cache[:, 0], key, index, fits=fits, shared=shared)
+    values = _write_run(cache[:, 1], value, index, fits=fits, shared=shared)
     return ops.stack([keys, values], axis=1), keys, values
 
 
