@@ -580,4 +580,3 @@ def _score_bytes(query):
 
 def _round_up_pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
-

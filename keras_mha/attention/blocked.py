@@ -210,7 +210,7 @@ def _pick(tensors, index):
     return tuple(_at(x, index) for x in tensors)
 
 
-def _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal, sinks):
+def _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal):
     """The modified, masked logits of query block `i` over key block `j`,
     `(B, K, b·G, b)`, and `tanh(logits / c)` when there is a soft-cap
     (its derivative needs it)."""
@@ -228,9 +228,12 @@ def _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal, sinks):
     )  # (b·G, b): query row - key column within the blocks
     if geometry.alibi is not None:
         distance = ops.add(offsets, ops.cast((i - j) * b, "int32"))
-        s = ops.add(s, logits.alibi(_row_values(ops.reshape(
-            ops.convert_to_tensor(geometry.alibi, s.dtype), sinks.shape
-        ), b), distance, s.dtype))
+        slopes = ops.reshape(
+            ops.convert_to_tensor(geometry.alibi, s.dtype), (-1, groups)
+        )  # (K, G)
+        s = ops.add(
+            s, logits.alibi(_row_values(slopes, b), distance, s.dtype)
+        )
     mask = None
     if diagonal:
         mask = ops.greater_equal(offsets, 0)[None, None]
@@ -291,11 +294,11 @@ def _attention(geometry):
             # FlashAttention-2's D: each row's dO·O, (n, B, K, b·G, 1).
             delta = ops.sum(ops.multiply(d_out, out), axis=-1, keepdims=True)
             d_q = _loop_blocks(
-                query_grads, (k, v, sinks, keys),
+                query_grads, (k, v, keys),
                 (indices, q, k, v, d_out, lse, delta, rows, keys),
             )
             d_k, d_v = _loop_blocks(
-                key_grads, (q, d_out, lse, delta, sinks, rows),
+                key_grads, (q, d_out, lse, delta, rows),
                 (indices, k, v, keys),
             )
             d_sinks = ops.zeros_like(sinks)
@@ -339,8 +342,7 @@ def _forward_body(geometry):
 
         def update(state, k_j, v_j, j, keys_j, diagonal):
             m, l, acc = state
-            s, _ = _scores(geometry, q_i, k_j, i, j, rows, keys_j, diagonal,
-                           sinks)
+            s, _ = _scores(geometry, q_i, k_j, i, j, rows, keys_j, diagonal)
             m_new = ops.maximum(m, ops.max(s, axis=-1, keepdims=True))
             correction = ops.exp(ops.subtract(m, m_new))
             p = ops.exp(ops.subtract(s, m_new))  # (B, K, b·G, b)
@@ -386,13 +388,12 @@ def _query_grad_body(geometry):
     """`dq` of query block `i`, over key blocks `0 .. i`."""
 
     def body(constants, x):
-        k, v, sinks, keys_all = constants
+        k, v, keys_all = constants
         i, q_i, k_i, v_i, do_i, lse_i, delta_i, rows, keys_i = x
 
         def update(d_q, k_j, v_j, j, keys_j, diagonal):
             d_s, _ = _score_grads(geometry, q_i, k_j, v_j, i, j, rows,
-                                  keys_j, diagonal, sinks, do_i, lse_i,
-                                  delta_i)
+                                  keys_j, diagonal, do_i, lse_i, delta_i)
             return ops.add(d_q, ops.einsum("bkrs,bksh->bkrh", d_s, k_j))
 
         d_q = update(ops.zeros_like(q_i), k_i, v_i, i, keys_i, True)
@@ -412,7 +413,7 @@ def _key_grad_body(geometry):
     blocks = geometry.num_blocks
 
     def body(constants, x):
-        q, d_out, lse, delta, sinks, rows_all = constants
+        q, d_out, lse, delta, rows_all = constants
         j, k_j, v_j, keys = x
 
         def update(grads, i, diagonal):
@@ -420,7 +421,7 @@ def _key_grad_body(geometry):
             q_i, do_i = _at(q, i), _at(d_out, i)
             d_s, p = _score_grads(
                 geometry, q_i, k_j, v_j, i, j, _pick(rows_all, i), keys,
-                diagonal, sinks, do_i, _at(lse, i), _at(delta, i),
+                diagonal, do_i, _at(lse, i), _at(delta, i),
             )
             d_v = ops.add(d_v, ops.einsum("bkrs,bkrv->bksv", p, do_i))
             d_k = ops.add(d_k, ops.einsum("bkrs,bkrh->bksh", d_s, q_i))
@@ -435,12 +436,12 @@ def _key_grad_body(geometry):
     return body
 
 
-def _score_grads(geometry, q_i, k_j, v_j, i, j, rows, keys, diagonal, sinks,
-                 do_i, lse_i, delta_i):
+def _score_grads(geometry, q_i, k_j, v_j, i, j, rows, keys, diagonal, do_i,
+                 lse_i, delta_i):
     """`(dS, P)` of block pair `(i, j)`: the weights recomputed from the
     saved log-sum-exp, and the gradient of the logits `q·k` before the
     soft-cap, `dS = P ⊙ (dO·Vᵀ - D)`, times `1 - tanh²` under a cap."""
-    s, tanh = _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal, sinks)
+    s, tanh = _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal)
     p = ops.exp(ops.subtract(s, lse_i))  # (B, K, b·G, b)
     d_p = ops.einsum("bkrv,bksv->bkrs", do_i, v_j)
     d_s = ops.multiply(p, ops.subtract(d_p, delta_i))
