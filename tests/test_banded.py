@@ -421,6 +421,43 @@ class TestArguments:
         np.testing.assert_allclose(to_numpy(plain), to_numpy(traced.detach()),
                                    **TOLERANCE)
 
+    @pytest.mark.skipif(not banded.native_available(),
+                        reason="only torch has a native path")
+    @pytest.mark.parametrize("case", ["causal", "sym-gqa-alibi", "padded"])
+    def test_native_inference_layout(self, rng, case, monkeypatch):
+        # Without a gradient the native kernel reads the projections in
+        # place (`kernels._inference_band`): blocks at either end of the
+        # keys get padded copies, grouped heads the kernel's own grouping,
+        # per-row masks one bias per block. Same numbers as the layout
+        # that a gradient takes.
+        import torch
+
+        from keras_mha.attention import kernels
+
+        calls = []
+        inference = kernels._inference_band
+
+        def spy(*args):
+            calls.append(inference(*args))
+            return calls[-1]
+
+        monkeypatch.setattr(kernels, "_inference_band", spy)
+        num_kv = 1 if case == "sym-gqa-alibi" else 2
+        q = torch.tensor(_heads(rng, 300, 2))
+        k, v = (torch.tensor(_heads(rng, 300, num_kv)) for _ in range(2))
+        fields = {}
+        if case == "sym-gqa-alibi":
+            fields["alibi"] = (0.5, 0.25)
+        if case == "padded":
+            fields["key_mask"] = _padding(300, [300, 211])
+        spec = attention_spec(HEAD, 40, case != "sym-gqa-alibi", **fields)
+        plain = banded.banded_attention(q, k, v, spec, block_size=16)
+        q.requires_grad_(True)
+        traced = banded.banded_attention(q, k, v, spec, block_size=16)
+        assert len(calls) == 1 and calls[0] is not None
+        np.testing.assert_allclose(to_numpy(plain), to_numpy(traced.detach()),
+                                   **TOLERANCE)
+
     def test_invalid_implementation(self, rng):
         q = _heads(rng, 10, 2)
         with pytest.raises(ValueError, match="Received: implementation="):

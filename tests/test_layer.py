@@ -211,8 +211,10 @@ class TestAgainstKeras:
         twin_out = to_numpy(twin(query, value))
         fresh = make_layer(query, value, num_heads=2, key_dim=4, use_gate=True)
         fresh.set_weights(twin.get_weights())
+        # torch's projections accumulate the bias in the matmul (`addmm`):
+        # float32 rounding apart, the same numbers.
         np.testing.assert_allclose(
-            to_numpy(fresh(query, value)), twin_out, atol=1e-6
+            to_numpy(fresh(query, value)), twin_out, atol=1e-5
         )
 
     @pytest.mark.training

@@ -13,7 +13,8 @@ masks from the spec with the position rule of `masks.py`:
 - `cache.py`: the key/value cache that decoding reads and writes, and
   `decode.py`: attention over the cache itself, reading only what a step
   sees (`attend_cached` picks between them and the paths above);
-- `kernels.py`: backend kernels behind the portable paths' interfaces.
+- `kernels.py`: backend kernels behind the portable paths' interfaces,
+  and `cache_kernels.py` the cache's in-place writes.
 
 Nothing here imports the layer or the command line.
 """

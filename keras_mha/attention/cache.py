@@ -16,7 +16,7 @@ slot `p mod w`, so it never grows. Which position a slot holds is derived
 from the write index alone; nothing else is stored.
 
 Writes touch the new slots only, in place where the backend allows
-(`kernels.write_slots`: torch, eager JAX and TensorFlow); `decode.py`
+(`cache_kernels.write_slots`: torch, eager JAX and TensorFlow); `decode.py`
 reads the cache a block of slots at a time, each block one contiguous run.
 """
 
@@ -147,9 +147,9 @@ def _write_run(cache, new, start, axis=1, fits=None, shared=None):
     (a graph op per write instead of one per slice and per write).
     """
     if _writes_in_place(cache):
-        import keras_mha.attention.kernels as kernels
+        import keras_mha.attention.cache_kernels as cache_kernels
 
-        return kernels.write_slots(cache, new, start, axis)
+        return cache_kernels.write_slots(cache, new, start, axis)
     rank = len(cache.shape)
     indices = None if shared is None else shared.get(rank)
     if indices is None:
@@ -195,14 +195,14 @@ def _guard(start, length, num_slots):
 
 
 def _writes_in_place(cache):
-    """Whether `kernels.write_slots` writes into `cache` itself (torch
+    """Whether `cache_kernels.write_slots` writes into `cache` itself (torch
     without gradients, a concrete JAX array, an eager TensorFlow tensor
     outside a gradient tape)."""
     if keras.backend.backend() not in ("torch", "jax", "tensorflow"):
         return False
-    import keras_mha.attention.kernels as kernels
+    import keras_mha.attention.cache_kernels as cache_kernels
 
-    return kernels.can_write_slots(cache)
+    return cache_kernels.can_write_slots(cache)
 
 
 def write_pair(cache, key, value, index, halves=True):

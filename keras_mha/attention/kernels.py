@@ -15,20 +15,16 @@ by the band's interior blocks; sinks join the softmax through the flash
 kernel's log-sum-exp; a soft-cap runs as torch products a few blocks at a
 time with a backward of its own (the README's feature table measures each).
 
-Cache writes (`cache.py`): `ops.slice_update` copies the whole cache in an
-eager call (torch clones it; JAX arrays are immutable), O(L) per token.
-`write_slots` writes the `T` new slots of each of its tensors in place
-instead: torch's `copy_` into the slots, and on JAX a jitted
-`dynamic_update_slice` that donates the tensor, so XLA reuses its buffer.
-Measured on the 2-core CPU (one token, 8 heads of 64, p = 1024): a step in
-a 65,536-slot cache went from 368 to 3.2 ms on torch and from 102 to about
-the 2,048-slot time on JAX.
+`project`: `EinsumDense`'s einsum and bias as one `torch.addmm`
+(`projections.Projection`). The cache's in-place writes are in
+`cache_kernels.py`.
 
 Each function imports its backend: the module is imported only by the
 paths that use it, on that backend.
 """
 
 import functools
+import math
 
 
 def differentiated(*tensors):
@@ -38,6 +34,22 @@ def differentiated(*tensors):
     return torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in tensors
     )
+
+
+def project(x, kernel, bias, bound_dims):
+    """`x·kernel + bias` over `x`'s last `bound_dims` axes, one `addmm`.
+
+    `kernel` is `(*bound, *out)` and `bias` `(*out)`, as `EinsumDense`
+    holds them for the layer's equations; returns `(*x_free, *out)`.
+    """
+    import torch
+
+    free = x.shape[: x.ndim - bound_dims]
+    inner = math.prod(kernel.shape[:bound_dims])
+    out = torch.addmm(
+        bias.reshape(-1), x.reshape(-1, inner), kernel.reshape(inner, -1)
+    )
+    return out.reshape(*free, *kernel.shape[bound_dims:])
 
 
 def banded_core(query, key, value, mask, scale, band, alibi=None,
@@ -71,6 +83,12 @@ def banded_core(query, key, value, mask, scale, band, alibi=None,
     """
     import torch
 
+    if soft_cap is None and sinks is None and not differentiated(
+        query, key, value
+    ):
+        out = _inference_band(query, key, value, mask, scale, band, alibi)
+        if out is not None:
+            return out
     batch, padded_len, num_heads, head = query.shape
     num_kv, value_head = key.shape[2], value.shape[3]
     groups = num_heads // num_kv
@@ -112,6 +130,83 @@ def banded_core(query, key, value, mask, scale, band, alibi=None,
     out = out.reshape(batch, num_kv, n, groups, b, value_head)
     out = out.permute(0, 2, 4, 1, 3, 5)  # (B, n, b, K, G, V)
     return out.reshape(batch, padded_len, num_heads, value_head)
+
+
+def _inference_band(query, key, value, mask, scale, band, alibi):
+    """`banded_core` without a gradient, soft-cap or sinks, and no copies.
+
+    The kernel's batch is the query blocks and its heads the heads: query
+    block `i` of batch row `β` is a strided view `(N, b, H)` of the
+    projection `(B, T, N, H)`, its keys a view `(K, span, H)` of the key
+    projection (consecutive spans overlap in place), and the kernel's
+    output, which it lays out as `(blocks, b, N, V)`, is already the
+    layer's `(T, N, V)`. Only blocks whose span reaches past the keys
+    (the first `L` of a causal band) read a padded copy of their frame.
+    Measured on the 2-core CPU (T = 16384, w = 128, causal, b = 32): the
+    kernel 55 ms, the layout copies of the other layout (queries, the key
+    and value frames, the output) 25-30 ms more. Grouped heads use the
+    kernel's `enable_gqa`. Returns `None` when no block lies inside the
+    keys (short sequences): `banded_core`'s layout serves those.
+    """
+    import torch
+
+    batch, _, num_heads, head = query.shape
+    s_len, num_kv, value_head = key.shape[1], key.shape[2], value.shape[3]
+    n, b, span = band.num_blocks, band.block, band.span
+    start = band.frame_start  # key position of block 0's first span key
+    inside = (max(0, -(start // b)), min(n, (s_len - span - start) // b + 1))
+    if inside[0] >= inside[1]:
+        return None
+    key, value = key.contiguous(), value.contiguous()
+    before = band.query_offset - band.frame_start  # L·b
+    terms = None
+    if alibi is not None:  # -m_h·|before + r - s|, (N, b, span)
+        slopes = torch.tensor(alibi, dtype=query.dtype, device=query.device)
+        r = before + torch.arange(b, dtype=query.dtype, device=query.device)
+        distance = (r[:, None] - torch.arange(span, device=query.device)).abs()
+        terms = -slopes[:, None, None] * distance
+
+    def spans(x, first, count):  # keys of blocks [first, first + count)
+        lo = start + first * b
+        hi = lo + (count - 1) * b + span
+        if lo < 0 or hi > s_len:
+            zeros = x.new_zeros((max(0, -lo),) + x.shape[1:])
+            after = x.new_zeros((max(0, hi - s_len),) + x.shape[1:])
+            x = torch.cat([zeros, x[max(lo, 0) : max(min(hi, s_len), 0)],
+                           after])
+        else:
+            x = x[lo:]
+        features = x.shape[1] * x.shape[2]
+        return x.as_strided(  # (m, K, span, X)
+            (count, x.shape[1], span, x.shape[2]),
+            (b * features, x.shape[2], features, 1),
+        )
+
+    rows = []
+    for row in range(batch):
+        q = query[row].view(n, b, num_heads, head).transpose(1, 2)
+        row_mask = mask[row if mask.shape[0] > 1 else 0]  # (n, b, span)
+        pieces = []
+        for first, stop in ((0, inside[0]), inside, (inside[1], n)):
+            if first == stop:
+                continue
+            part = row_mask[first:stop]  # (m, b, span)
+            if bool((part == part[:1]).all()):
+                part = part[:1]
+            bias = torch.zeros(part.shape, dtype=query.dtype,
+                               device=query.device)
+            bias = bias.masked_fill_(~part, float("-inf"))[:, None]
+            if terms is not None:
+                bias = bias + terms  # (m|1, N, b, span)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q[first:stop], spans(key[row], first, stop - first),
+                spans(value[row], first, stop - first), attn_mask=bias,
+                scale=scale, enable_gqa=num_kv != num_heads,
+            )  # (m, N, b, V), laid out as (m, b, N, V)
+            pieces.append(out.transpose(1, 2))
+        rows.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+    out = torch.stack(rows) if batch > 1 else rows[0][None]
+    return out.reshape(batch, n * b, num_heads, value_head)
 
 
 def _mask_parts(mask):
@@ -503,98 +598,3 @@ def _spans(x, band):
         batch * num_kv, n, band.span, features
     )
 
-
-def write_slots(cache, new, start, axis=1):
-    """`cache` with `new` written into slots `[start, start + T)` of
-    `axis` (`T = new.shape[axis]`), in place where the backend allows it.
-
-    torch and TensorFlow: the same tensor comes back, its slots written.
-    JAX (eager calls only): the cache passed in is donated and must not be
-    used again. `start` is an int or a scalar tensor whose range the
-    caller checked.
-    """
-    import keras
-
-    backend = keras.backend.backend()
-    if backend == "torch":
-        import torch
-
-        with torch.no_grad():
-            cache.narrow(axis, int(start), new.shape[axis]).copy_(new)
-        return cache
-    if backend == "tensorflow":
-        return _tf_write_rows(cache, new, start, axis)
-    return _jax_update(axis)(cache, new.astype(cache.dtype), start)
-
-
-def can_write_slots(cache):
-    """Whether `write_slots` serves this cache: torch without gradients;
-    a concrete (not traced) JAX array; an eager TensorFlow tensor (not a
-    variable) while no gradient tape records."""
-    import keras
-
-    backend = keras.backend.backend()
-    if backend == "torch":
-        return not cache.requires_grad
-    if backend == "jax":
-        import jax
-
-        return not isinstance(cache, jax.core.Tracer)
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        try:
-            from tensorflow.python.eager import record
-        except ImportError:  # a TensorFlow without it: write functionally
-            return False
-        return (
-            tf.executing_eagerly()
-            and isinstance(cache, tf.Tensor)
-            and hasattr(cache, "numpy")  # an EagerTensor, not symbolic
-            and not record.could_possibly_record()
-        )
-    return False
-
-
-def _tf_write_rows(cache, new, start, axis):
-    """TensorFlow's in-place write: `InplaceUpdate` on a reshaped view.
-
-    An eager tensor is immutable to `tf.tensor_scatter_nd_update` and
-    `slice_update`, which copy it whole (measured on a 65,536-slot cache,
-    8 heads of 64: 37 ms a token). `InplaceUpdate` writes rows of its
-    input's own buffer, which `reshape` shares; the cache as rows
-    `(prod(shape[:axis + 1]), prod(shape[axis + 1:]))` takes the new slots
-    as whole rows: 0.1 ms.
-    """
-    import math
-
-    import tensorflow as tf
-
-    shape = tuple(cache.shape)
-    outer, length = math.prod(shape[:axis]), new.shape[axis]
-    row = math.prod(shape[axis + 1 :])
-    rows = (
-        tf.range(outer)[:, None] * shape[axis]
-        + tf.cast(start, "int32")
-        + tf.range(length)[None, :]
-    )
-    flat = tf.reshape(cache, (outer * shape[axis], row))
-    tf.raw_ops.InplaceUpdate(
-        x=flat, i=tf.reshape(rows, (-1,)),
-        v=tf.reshape(tf.cast(new, cache.dtype), (outer * length, row)),
-    )
-    return cache
-
-
-@functools.lru_cache(maxsize=4)
-def _jax_update(axis):
-    import jax
-
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def update(cache, new, start):
-        zero = jax.numpy.zeros((), "int32")
-        starts = [zero] * cache.ndim
-        starts[axis] = jax.numpy.asarray(start, "int32")
-        return jax.lax.dynamic_update_slice(cache, new, tuple(starts))
-
-    return update

@@ -1,0 +1,111 @@
+"""Backend kernels of the cache's writes (`cache.py`), in place.
+
+`ops.slice_update` copies the whole cache in an eager call (torch clones
+it; JAX arrays are immutable), O(L) per token. `write_slots` writes the `T`
+new slots of each of its tensors in place instead: torch's `copy_` into the
+slots, TensorFlow's `InplaceUpdate`, and on JAX a jitted
+`dynamic_update_slice` that donates the tensor, so XLA reuses its buffer.
+Measured on the 2-core CPU (one token, 8 heads of 64, p = 1024): a step in
+a 65,536-slot cache went from 368 to 3.2 ms on torch and from 102 to about
+the 2,048-slot time on JAX.
+
+Each function imports its backend.
+"""
+
+import functools
+
+
+def write_slots(cache, new, start, axis=1):
+    """`cache` with `new` written into slots `[start, start + T)` of
+    `axis` (`T = new.shape[axis]`), in place where the backend allows it.
+
+    torch and TensorFlow: the same tensor comes back, its slots written.
+    JAX (eager calls only): the cache passed in is donated and must not be
+    used again. `start` is an int or a scalar tensor whose range the
+    caller checked.
+    """
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        with torch.no_grad():
+            cache.narrow(axis, int(start), new.shape[axis]).copy_(new)
+        return cache
+    if backend == "tensorflow":
+        return _tf_write_rows(cache, new, start, axis)
+    return _jax_update(axis)(cache, new.astype(cache.dtype), start)
+
+
+def can_write_slots(cache):
+    """Whether `write_slots` serves this cache: torch without gradients;
+    a concrete (not traced) JAX array; an eager TensorFlow tensor (not a
+    variable) while no gradient tape records."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "torch":
+        return not cache.requires_grad
+    if backend == "jax":
+        import jax
+
+        return not isinstance(cache, jax.core.Tracer)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        try:
+            from tensorflow.python.eager import record
+        except ImportError:  # a TensorFlow without it: write functionally
+            return False
+        return (
+            tf.executing_eagerly()
+            and isinstance(cache, tf.Tensor)
+            and hasattr(cache, "numpy")  # an EagerTensor, not symbolic
+            and not record.could_possibly_record()
+        )
+    return False
+
+
+def _tf_write_rows(cache, new, start, axis):
+    """TensorFlow's in-place write: `InplaceUpdate` on a reshaped view.
+
+    An eager tensor is immutable to `tf.tensor_scatter_nd_update` and
+    `slice_update`, which copy it whole (measured on a 65,536-slot cache,
+    8 heads of 64: 37 ms a token). `InplaceUpdate` writes rows of its
+    input's own buffer, which `reshape` shares; the cache as rows
+    `(prod(shape[:axis + 1]), prod(shape[axis + 1:]))` takes the new slots
+    as whole rows: 0.1 ms.
+    """
+    import math
+
+    import tensorflow as tf
+
+    shape = tuple(cache.shape)
+    outer, length = math.prod(shape[:axis]), new.shape[axis]
+    row = math.prod(shape[axis + 1 :])
+    rows = (
+        tf.range(outer)[:, None] * shape[axis]
+        + tf.cast(start, "int32")
+        + tf.range(length)[None, :]
+    )
+    flat = tf.reshape(cache, (outer * shape[axis], row))
+    tf.raw_ops.InplaceUpdate(
+        x=flat, i=tf.reshape(rows, (-1,)),
+        v=tf.reshape(tf.cast(new, cache.dtype), (outer * length, row)),
+    )
+    return cache
+
+
+@functools.lru_cache(maxsize=4)
+def _jax_update(axis):
+    import jax
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def update(cache, new, start):
+        zero = jax.numpy.zeros((), "int32")
+        starts = [zero] * cache.ndim
+        starts[axis] = jax.numpy.asarray(start, "int32")
+        return jax.lax.dynamic_update_slice(cache, new, tuple(starts))
+
+    return update
