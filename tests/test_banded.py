@@ -443,13 +443,15 @@ class TestArguments:
 
         monkeypatch.setattr(kernels, "_inference_band", spy)
         num_kv = 1 if case == "sym-gqa-alibi" else 2
-        q = torch.tensor(_heads(rng, 300, 2))
-        k, v = (torch.tensor(_heads(rng, 300, num_kv)) for _ in range(2))
+        q = torch.tensor(_heads(rng, 304, 2))  # 19 blocks of 16
+        if case == "causal":  # heads before positions in memory
+            q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        k, v = (torch.tensor(_heads(rng, 304, num_kv)) for _ in range(2))
         fields = {}
         if case == "sym-gqa-alibi":
             fields["alibi"] = (0.5, 0.25)
         if case == "padded":
-            fields["key_mask"] = _padding(300, [300, 211])
+            fields["key_mask"] = _padding(304, [304, 211])
         spec = attention_spec(HEAD, 40, case != "sym-gqa-alibi", **fields)
         plain = banded.banded_attention(q, k, v, spec, block_size=16)
         q.requires_grad_(True)

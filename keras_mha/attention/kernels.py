@@ -184,7 +184,7 @@ def _inference_band(query, key, value, mask, scale, band, alibi):
 
     rows = []
     for row in range(batch):
-        q = query[row].view(n, b, num_heads, head).transpose(1, 2)
+        q = query[row].reshape(n, b, num_heads, head).transpose(1, 2)
         row_mask = mask[row if mask.shape[0] > 1 else 0]  # (n, b, span)
         pieces = []
         for first, stop in ((0, inside[0]), inside, (inside[1], n)):
