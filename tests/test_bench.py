@@ -96,6 +96,10 @@ def test_quick_reports_every_cell(quick_run):
             assert cell["forward"]["path"] == path, (key, cell)
             assert (cell["forward"]["complexity"] == "banded") == (
                 path == dispatch.BANDED), (key, cell)
+        if cell["B"] == small["batch"] and cell["impl"] in plan.PAIRED_IMPLS:
+            # Keras's layer and ours, call for call; each its own peak.
+            for mode in config["modes"]:
+                assert cell[mode]["timing"] == "alternately", (key, mode)
         # The small matrix is far from every cap: our layer must run, and
         # every cell has the projection rate of its B and T.
         if cell["impl"] in ("ours", "ours_core", "keras"):

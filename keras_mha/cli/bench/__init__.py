@@ -5,8 +5,10 @@ and no autodiff and is not benchmarked), T, window w and causal setting of
 the matrix (`--config FILE`, by default `matrices/bench.json`, shipped with
 the package), with B=1, N=8, H=64 (E=512), and for the small-model cells
 of its `small` section (B=8, T in {128, 256, 512}, w in {none, 64};
-keras, ours and ours_core), it times the forward and forward+backward
-(gradient of 0.5*sum(y^2) w.r.t. the inputs and the weights) of:
+keras, ours and ours_core; Keras's layer and ours timed alternately, call
+for call, so that their ratio is measured over the same seconds), it times
+the forward and forward+backward (gradient of 0.5*sum(y^2) w.r.t. the
+inputs and the weights) of:
 
 - `keras` - `keras.layers.MultiHeadAttention(sliding_window=w)`, whole layer;
 - `ours` - `keras_mha.MultiHeadAttention(sliding_window=w)`, whole layer;

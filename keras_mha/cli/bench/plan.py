@@ -61,6 +61,8 @@ LABELS = {"keras": "keras", "ours": "ours", "ours_core": "ours core",
 # The `fit` step: a small causal transformer with our layer, then with
 # Keras's, in its blocks.
 FIT_IMPLS = ("ours", "keras")
+# The layers of a small-model cell, timed alternately (`worker.py`).
+PAIRED_IMPLS = ("keras", "ours")
 # Feature cells: our layer with one feature on; `plain` is the layer
 # without any, the baseline of every ratio (see `worker.feature_arguments`).
 FEATURES = ("plain", "rope", "soft_cap", "sinks", "alibi", "segments")

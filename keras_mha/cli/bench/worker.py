@@ -471,6 +471,8 @@ class Worker:
                                  analytic, memory_cap_bytes)
         if reason is not None:
             return {"status": plan.SKIPPED, "reason": reason, **extra}
+        if self._paired(unit):
+            return {**self._paired_result(unit), **extra}
         setup = self._cell(unit)
         if plan.SCOPE[impl] == "layer":
             candidates = self.backend.layer(setup["layer"], setup["x"],
@@ -486,6 +488,90 @@ class Worker:
             extra.update(info)
         result = self.time_candidates(candidates, self.config["repeats"])
         return {**result, **extra}
+
+    def _paired(self, unit):
+        """Whether `unit` is a small-model cell's Keras or our layer, which
+        are timed together (`_paired_result`)."""
+        small = self.config.get("small")
+        return (small is not None and unit["kind"] == "attention"
+                and unit["B"] == small["batch"]
+                and unit["impl"] in plan.PAIRED_IMPLS
+                and set(plan.PAIRED_IMPLS) <= set(small["implementations"]))
+
+    def _paired_result(self, unit):
+        """Keras's layer and ours at a small-model cell, timed alternately.
+
+        At these sizes a call takes milliseconds, and timed one unit after
+        the other, the ratio of the two carried whatever the machine did
+        between the units (the same cells read 0.86x and 1.03x in two runs
+        of one commit). The first of the cell's units of a mode builds both
+        layers on the same input and times their calls in turn
+        (`time_alternately`); the other unit reports its half. The memory
+        peak is each layer's own: one more call of each, metered alone.
+        """
+        cell = ("paired", unit["B"], unit["T"], unit["w"], unit["causal"])
+        if cell != self._setup_key:
+            self.drop_setup()
+            import keras_mha
+
+            classes = {"keras": self.keras.layers.MultiHeadAttention,
+                       "ours": keras_mha.MultiHeadAttention}
+            shape = (unit["B"], unit["T"],
+                     self.config["num_heads"] * self.config["key_dim"])
+            self._setup_key = cell
+            self._setup = {
+                "layers": {
+                    impl: self._layer(classes[impl], unit["T"], unit["B"],
+                                      sliding_window=unit["w"])
+                    for impl in plan.PAIRED_IMPLS
+                },
+                "x": self.backend.tensor(self._random(shape)),
+                "results": {},
+            }
+        setup, mode = self._setup, unit["mode"]
+        if (unit["impl"], mode) not in setup["results"]:
+            candidates = [
+                self.backend.layer(setup["layers"][impl], setup["x"],
+                                   unit["causal"], mode)
+                for impl in plan.PAIRED_IMPLS
+            ]
+            results = self._time_pair(list(zip(*candidates)))
+            for impl, result in results.items():
+                setup["results"][impl, mode] = result
+        return setup["results"].pop((unit["impl"], mode))
+
+    def _time_pair(self, rounds):
+        """`time_alternately` of the first compiler both layers run with
+        (`rounds`: per compiler, one candidate per layer), then each
+        layer's memory peak alone."""
+        notes = []
+        for number, candidates in enumerate(rounds):
+            compiler = candidates[0][0]
+            if compiler in self.skip_compilers:
+                notes.append(f"{compiler}: {self.skip_compilers[compiler]}")
+                continue
+            calls = [(impl, fn) for impl, (_, fn)
+                     in zip(plan.PAIRED_IMPLS, candidates)]
+            try:
+                results = self.time_alternately(
+                    calls, self.config["repeats"], compiler)
+            except Exception as error:
+                if is_oom(error) or number == len(rounds) - 1:
+                    raise
+                notes.append(f"{compiler}: {first_line(error)}")
+                continue
+            for impl, fn in calls:
+                self.meter.start()
+                try:
+                    self.backend.block(fn())
+                finally:
+                    peak, absolute = self.meter.stop()
+                results[impl].update(peak_bytes=peak, rss_peak_bytes=absolute,
+                                     timing="alternately")
+                if notes:
+                    results[impl]["note"] = "; ".join(notes)
+            return results
+        raise RuntimeError("every compiler was abandoned: " + "; ".join(notes))
 
     # --- yardsticks, fit and decode
 
