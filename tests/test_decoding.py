@@ -160,6 +160,37 @@ class TestDecoding:
         expected = _full(layers, x, mask=full_mask)
         np.testing.assert_allclose(decoded, expected, atol=1e-5, rtol=1e-5)
 
+    @pytest.mark.skipif(BACKEND != "torch", reason="torch's native step")
+    def test_long_torch_steps_read_the_slots_in_chunks(self, rng,
+                                                       monkeypatch):
+        # Chunks of 2 slots from 4 slots on: the left padding masks whole
+        # chunks (their outputs drop out of the merge), the last chunk is
+        # short.
+        import torch
+
+        from keras_mha.attention import decode
+        from keras_mha.attention import kernels
+
+        monkeypatch.setattr(decode, "IMPLEMENTATION", "native")
+        monkeypatch.setattr(kernels, "_DECODE_CHUNK", 2)
+        monkeypatch.setattr(kernels, "_CHUNKED_FROM", 4)
+        calls = []
+        chunked = kernels._chunked_step
+        monkeypatch.setattr(kernels, "_chunked_step", lambda *args: (
+            calls.append(args[1].shape[2]) or chunked(*args)))
+        x = rng.normal(size=(1, 12, 8)).astype("float32")
+        prompt_mask = np.ones((1, 6), bool)
+        prompt_mask[0, :5] = False  # one real token after five pads
+        full_mask = np.concatenate([prompt_mask, np.ones((1, 6), bool)], 1)
+        layers = _stack(x, None, 2)
+        with torch.no_grad():  # as `predict` runs: nothing to differentiate
+            decoded, _ = _decode(layers, x, prompt_length=6,
+                                 prompt_mask=prompt_mask)
+        expected = _full(layers, x, mask=full_mask)
+        np.testing.assert_allclose(decoded[:, 5:], expected[:, 5:],
+                                   atol=1e-5, rtol=1e-5)
+        assert 7 in calls and 11 in calls  # odd: a short last chunk
+
     def test_rolling_cache_does_not_grow(self):
         layer = keras_mha.MultiHeadAttention(
             num_heads=4, key_dim=8, value_dim=6, num_key_value_heads=2,

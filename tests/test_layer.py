@@ -200,6 +200,23 @@ class TestAgainstKeras:
             ours, theirs = ours[0], theirs[0]
         assert_close(ours, to_numpy(theirs).astype("float64"))
 
+    def test_projections_are_einsum_dense(self, rng):
+        # Same weights and numbers as Keras's `EinsumDense`; LoRA goes
+        # through Keras's own call (torch's `addmm` serves plain ones).
+        query, value = random_inputs(rng, query_length=4, key_length=6)
+        layer = make_layer(query, value, num_heads=2, key_dim=4)
+        dense = layer._query_dense
+        assert isinstance(dense, keras.layers.EinsumDense)
+        x = keras.ops.convert_to_tensor(query)
+        keras_call = keras.layers.EinsumDense.call
+        assert_close(to_numpy(dense(x)), to_numpy(keras_call(dense, x)))
+        dense.enable_lora(2)
+        dense.lora_kernel_b.assign(np.ones(dense.lora_kernel_b.shape))
+        assert_close(to_numpy(dense(x)), to_numpy(keras_call(dense, x)))
+        assert np.abs(to_numpy(dense(x)) - to_numpy(
+            keras.ops.einsum(dense.equation, x, dense._kernel) + dense.bias
+        )).max() > 1e-3  # LoRA's term is in
+
     def test_weights_copy_both_ways(self, rng):
         query, value = random_inputs(rng, query_length=4, key_length=6)
         layer = make_layer(query, value, num_heads=2, key_dim=4, use_gate=True)

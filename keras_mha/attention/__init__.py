@@ -14,7 +14,8 @@ masks from the spec with the position rule of `masks.py`:
   `decode.py`: attention over the cache itself, reading only what a step
   sees (`attend_cached` picks between them and the paths above);
 - `kernels.py`: backend kernels behind the portable paths' interfaces,
-  and `cache_kernels.py` the cache's in-place writes.
+  `cache_kernels.py` the cache's in-place writes and `decode_kernels.py`
+  an eager decode step compiled as one function.
 
 Nothing here imports the layer or the command line.
 """

@@ -14,11 +14,12 @@ Late in a large cache, a traced step of one token on JAX reads every slot
 in one pass instead (`WHOLE_FROM`): XLA on CPU copies each block the loop
 slices, and the pass reads the cache where it lies.
 
-Eager steps take a native route where the backend has one (`kernels.py`):
-on torch, one call of the fused attention kernel over every slot below the
-limit, on strided views of the cache; on TensorFlow and JAX, the traced
-loop as one compiled function (a graph, `jax.jit`), which saves the loop's
-per-op dispatch.
+Eager steps take a native route where the backend has one: on torch
+(`kernels.decode_core`), the fused attention kernel over every slot below
+the limit, on strided views of the cache (a long step in chunks of slots
+merged by their log-sum-exp); on TensorFlow and JAX
+(`decode_kernels.py`), the traced loop as one compiled function (a graph,
+`jax.jit`), which saves the loop's per-op dispatch.
 
 Shapes: query `(B, T, N, H)`; the cache `(keys, values, valid)`, `(B, L,
 K, H)`, `(B, L, K, V)` and `(B, L)` (see `cache.py`). The numbers are those
@@ -110,7 +111,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
             eager call), `"native"` (every eager step on the backend's own
             route: torch's fused kernel over the slots below the limit at
             once, `kernels.decode_core`; on TensorFlow and JAX the block
-            loop as one compiled function, `kernels.graph_decode`) or
+            loop as one compiled function, `decode_kernels.graph_decode`) or
             `None`:
             `IMPLEMENTATION`, else the native route where it exists (on
             torch while its bias stays below `_NATIVE_BIAS_LIMIT`).
@@ -121,9 +122,9 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
     """
     implementation = _implementation(implementation)
     if implementation != PORTABLE and _eager_compilable(query, cache):
-        import keras_mha.attention.kernels as kernels
+        import keras_mha.attention.decode_kernels as decode_kernels
 
-        return kernels.graph_decode(
+        return decode_kernels.graph_decode(
             decode_attention, query, cache, spec, rolling, block_size,
             layout, limit,
         )
@@ -270,7 +271,7 @@ def _implementation(implementation):
 
 def _eager_compilable(query, cache):
     """Whether the step is an eager call on TensorFlow or JAX, whose native
-    route compiles the block loop (`kernels.graph_decode`)."""
+    route compiles the block loop (`decode_kernels.graph_decode`)."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
         import tensorflow as tf

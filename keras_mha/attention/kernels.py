@@ -469,6 +469,10 @@ def decode_core(q, keys, values, mask, alibi=None, sinks=None,
     elif sink_rows is not None:
         rows, k, v = _equal_sizes(rows, k, v)  # the flash kernel's rule
         out = _sink_attention().apply(rows, k, v, bias, sink_rows, 1.0)
+    elif batch == 1 and span >= _CHUNKED_FROM and not differentiated(
+        rows, k, v
+    ):
+        out = _chunked_step(rows, k, v, bias)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(
             rows, k, v, attn_mask=bias, scale=1.0
@@ -478,64 +482,58 @@ def decode_core(q, keys, values, mask, alibi=None, sinks=None,
     )
 
 
-def graph_decode(step, query, cache, spec, rolling, block_size, layout,
-                 limit):
-    """TensorFlow and JAX, eager: the decode step `step`
-    (`decode_attention`) as one compiled function, traced once per
-    geometry and spec: `tf.function` (a graph) or `jax.jit`.
+# A long step's slots in chunks of `_DECODE_CHUNK`, each chunk one batch
+# row of the flash kernel (`_chunked_step`), from `_CHUNKED_FROM` slots on.
+# Measured on the 2-core CPU (65,536-slot cache, one token, 8 heads of 64):
+# the attention alone at p = 16k took 4.2 ms in one call, 3.4 / 3.6 / 4.0
+# ms in chunks of 256 / 1,024 / 4,096, at p = 64k 17.3 against 13.3 / 13.9
+# / 14.9 ms; the whole eager step at p = 16k 8.1 against 8.3 ms, at p = 64k
+# 20.6 against 17.4 ms.
+_DECODE_CHUNK = 256
+_CHUNKED_FROM = 32768
 
-    Run op by op, each of the block loop's operations costs 50-100 us of
-    Python dispatch in an eager call (a cProfile of a TensorFlow step at
-    p = 16k counted about 65 of them per block of 1,024 slots); compiled,
-    the loop is a `while` whose trip count is the index, and the cache goes
-    in without a copy. Measured on the 2-core CPU, the whole layer, one
-    token, 8 heads of 64, 65,536 slots, TensorFlow: p = 1 / 1k / 16k / 64k
-    took 21 / 27 / 139 / 528 ms op by op, 9.7 / 11.4 / 29 / 66 ms as a
-    graph (9.6 ms at p = 1k with `jit_compile=True`, for twice the tracing
-    time: not taken). JAX, `jax.jit` without donation (the step only reads
-the cache): 12 / 16 / 74 / 330 ms op by op, 3.7 / 4.3 / 17 / 53 ms
-compiled; a rolling cache of 512 slots 7.6 -> 2.3 ms.
 
-    Args are `decode_attention`'s; the spec's tensors (offset, masks,
-    sinks) are the function's inputs, its Python values part of its key.
+def _chunked_step(rows, k, v, bias):
+    """`scaled_dot_product_attention(rows, k, v, attn_mask=bias)` for one
+    batch row over many slots, the slots cut into chunks that are the flash
+    kernel's batch: each of its tasks reads a run of slots, not one head's
+    every slot, and the chunks' outputs merge by their log-sum-exp.
+
+    `rows` `(1, K, R, H)`, `k` `(1, K, S, H)` and `v` `(1, K, S, V)` (views
+    of the cache), `bias` `(1, K|1, R, S)` with a finite entry in every
+    row; returns `(1, K, R, V)`.
     """
-    from keras import ops
+    import torch
 
-    offset = ops.cast(spec.query_offset, "int32")
-    if limit is not None:
-        limit = ops.cast(limit, "int32")
-    sinks = None if spec.sinks is None else ops.convert_to_tensor(spec.sinks)
-    function = _graph_decode_function(
-        step, spec.scale, spec.causal, spec.window, spec.soft_cap,
-        spec.alibi, rolling, block_size, layout,
-    )
-    return function(query, cache, offset, limit, spec.query_mask,
-                    spec.attention_mask, sinks)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    chunk = _DECODE_CHUNK
+    whole = k.shape[2] // chunk * chunk
 
+    def chunks(x):  # (1, K, S, X) -> (S // chunk, K, chunk, X), a view
+        return x[0, :, :whole].unflatten(1, (-1, chunk)).transpose(0, 1)
 
-@functools.lru_cache(maxsize=64)
-def _graph_decode_function(step, scale, causal, window, soft_cap, alibi,
-                           rolling, block_size, layout):
-    import keras
-
-    from keras_mha.attention.spec import AttentionSpec
-
-    def run(query, cache, offset, limit, query_mask, attention_mask, sinks):
-        spec = AttentionSpec(
-            scale=scale, causal=causal, window=window, soft_cap=soft_cap,
-            alibi=alibi, query_offset=offset, query_mask=query_mask,
-            attention_mask=attention_mask, sinks=sinks,
-        )
-        return step(query, cache, spec, rolling, block_size, layout, limit,
-                    implementation="portable")
-
-    if keras.backend.backend() == "jax":
-        import jax
-
-        return jax.jit(run)
-    import tensorflow as tf
-
-    return tf.function(run)
+    masks = [bias[0, :, :, :whole].unflatten(2, (-1, chunk)).permute(
+        2, 0, 1, 3
+    )]  # (S // chunk, K|1, R, chunk)
+    parts = [flash(
+        rows.expand(whole // chunk, *rows.shape[1:]), chunks(k), chunks(v),
+        0.0, False, attn_mask=masks[0], scale=1.0,
+    )]
+    if whole < k.shape[2]:
+        masks.append(bias[..., whole:])
+        parts.append(flash(
+            rows, k[:, :, whole:], v[:, :, whole:], 0.0, False,
+            attn_mask=masks[1], scale=1.0,
+        ))
+    out = torch.cat([part[0] for part in parts])  # (chunks, K, R, V)
+    # The kernel answers a row without a key in its chunk with 0 and a
+    # log-sum-exp of 0: such a chunk leaves the merge.
+    live = torch.cat([m.isfinite().any(-1) for m in masks])  # (.., K|1, R)
+    lse = torch.cat([part[1] for part in parts]).masked_fill(
+        ~live, float("-inf")
+    )  # (chunks, K, R)
+    weights = torch.exp(lse - lse.amax(0))[..., None]
+    return ((out * weights).sum(0) / weights.sum(0))[None]
 
 
 def rotate_half(x, cos, sin, rotary_dim):
