@@ -344,10 +344,8 @@ class Worker:
                  * config["key_dim"])
         layer.build(shape, shape)
         # NumPy weights: no random kernels to compile, the same every run,
-        # and the same for Keras's layer and ours (their weights line up):
-        # the speed of a call depends on the values (at B=8, T=256 on JAX
-        # the same program ran 0.94x with another draw of weights, timed
-        # alternately, and 1.03x with the same).
+        # and the same for Keras's layer and ours (their weights line up),
+        # so that the two compute the same numbers.
         rng = np.random.default_rng(1)
         layer.set_weights([
             rng.standard_normal(w.shape, dtype=np.float32)
@@ -355,6 +353,14 @@ class Worker:
             for w in layer.get_weights()
         ])
         return layer
+
+    def _layer_class(self, impl):
+        """Keras's layer for `"keras"`, ours otherwise."""
+        import keras_mha
+
+        if impl == "keras":
+            return self.keras.layers.MultiHeadAttention
+        return keras_mha.MultiHeadAttention
 
     def _layer_arguments(self, unit):
         """`(arguments, segment count)` of our layer in `unit` (see
@@ -375,13 +381,9 @@ class Worker:
         batch, t_len = unit["B"], unit["T"]
         heads, head = config["num_heads"], config["key_dim"]
         if plan.SCOPE[impl] == "layer":
-            import keras_mha
-
-            cls = (self.keras.layers.MultiHeadAttention if impl == "keras"
-                   else keras_mha.MultiHeadAttention)
             arguments, segments = self._layer_arguments(unit)
             setup = {
-                "layer": self._layer(cls, t_len, batch,
+                "layer": self._layer(self._layer_class(impl), t_len, batch,
                                      sliding_window=unit["w"], **arguments),
                 "x": self.backend.tensor(
                     self._random((batch, t_len, heads * head))),
@@ -518,17 +520,13 @@ class Worker:
         cell = ("paired", unit["B"], unit["T"], unit["w"], unit["causal"])
         if cell != self._setup_key:
             self.drop_setup()
-            import keras_mha
-
-            classes = {"keras": self.keras.layers.MultiHeadAttention,
-                       "ours": keras_mha.MultiHeadAttention}
             shape = (unit["B"], unit["T"],
                      self.config["num_heads"] * self.config["key_dim"])
             self._setup_key = cell
             self._setup = {
                 "layers": {
-                    impl: self._layer(classes[impl], unit["T"], unit["B"],
-                                      sliding_window=unit["w"])
+                    impl: self._layer(self._layer_class(impl), unit["T"],
+                                      unit["B"], sliding_window=unit["w"])
                     for impl in plan.PAIRED_IMPLS
                 },
                 "x": self.backend.tensor(self._random(shape)),
