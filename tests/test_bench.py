@@ -269,6 +269,8 @@ def test_decode_run_reports_every_step_with_its_ratios(decode_run):
         for mode in row_modes:  # tiny sizes, keras-hub installed: all run
             outcome = row[mode]
             assert outcome["status"] == plan.OK, (key, mode, outcome)
+            # A group's steps (the floors with ours), call for call.
+            assert outcome["timing"] == "alternately", (key, mode)
             assert outcome["ms_per_token"] == pytest.approx(
                 outcome["time_s"] * 1e3)
     assert steps["read", "full", full, last]["reads"] == last + 1
@@ -333,6 +335,8 @@ def test_decode_run_reports_generate_prefill_and_targets(decode_run):
         for mode in plan.decode_modes(BACKEND):
             outcome = row[mode]
             assert outcome["status"] == plan.OK, (cache, w, mode, outcome)
+            # With and without a cache, call for call.
+            assert outcome["timing"] == "alternately", (cache, w, mode)
             if cache == "none":
                 assert outcome["path"] in dispatch.PATHS
             else:
@@ -971,18 +975,28 @@ def test_plan_has_the_decode_cells():
                       ("full", 65536, 65535, 65536, "compiled"),
                       ("rolling", 512, None, 512, "compiled")]
     assert [u["kind"] for u in decode[:4]] == ["floor"] * 4
+    # The groups timed alternately: the floors go with ours in the fast
+    # mode, which comes first.
+    groups = [plan.decode_group(u) for u in decode
+              if u["kind"] in ("floor", "decode")]
+    assert list(dict.fromkeys(groups)) == [
+        ("ours", "compiled"), ("ours", "eager"), ("keras_hub", "eager"),
+        ("keras_hub", "compiled")]
     steps = [(u["impl"], u["cache"], u["slots"], u["mode"], u["position"])
              for u in decode if u["kind"] == "decode"]
     ours = [1, 1024, 16384, 65535]
-    expected = (
-        [("ours", "full", 65536, m, p) for m in plan.DECODE_MODES
-         for p in ours]
-        + [("ours", "full", 2048, m, 1024) for m in plan.DECODE_MODES]
-        + [("ours", "rolling", 512, m, p) for m in plan.DECODE_MODES
-           for p in ours]
-        + [("keras_hub", "full", 65536, m, p) for m in plan.DECODE_MODES
-           for p in ours[1:]]
-        + [("keras_hub", "full", 2048, m, 1024) for m in plan.DECODE_MODES])
+    # Each (implementation, mode) is one group, timed alternately by its
+    # first unit: its caches, each at its positions.
+    expected = [
+        cell for m in ("compiled", "eager") for cell in (
+            [("ours", "full", 65536, m, p) for p in ours]
+            + [("ours", "full", 2048, m, 1024)]
+            + [("ours", "rolling", 512, m, p) for p in ours])
+    ] + [
+        cell for m in plan.DECODE_MODES for cell in (
+            [("keras_hub", "full", 65536, m, p) for p in ours[1:]]
+            + [("keras_hub", "full", 2048, m, 1024)])
+    ]
     assert steps == expected
     # Every position fits its full cache: index + 1 <= L.
     assert all(p + 1 <= slots for _, cache, slots, _, p in steps

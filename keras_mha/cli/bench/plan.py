@@ -586,28 +586,50 @@ def decode_caches(spec, impl):
     return caches
 
 
+def decode_group(unit):
+    """`(impl, mode)`: the group of steps a `decode` or `floor` unit is
+    timed with (the floors with ours in the fast mode)."""
+    if unit["kind"] == "floor":
+        return ("ours", unit["mode"])
+    return (unit["impl"], unit["mode"])
+
+
+def prefill_cache(window):
+    """The cache a prefill with `window` goes through: `"rolling"` (a
+    window) or `"full"`."""
+    return "full" if window is None else "rolling"
+
+
 def decode_units(backend, spec):
     """The decode section's units of one backend, in the order it runs them.
 
-    The floors first, in the fast mode (reading the `p + 1` valid slots of
-    a full cache at each position, the `w` slots of a rolling one); then
-    each (layer, cache) in each mode at its positions in increasing order
-    (they share one layer, cache and compiled step); then `generate` with
-    keras-hub's attention and with ours; then the prefills, each window
-    (the rolling one, none) without a cache and through one.
+    First the groups of steps (`decode_group`), each timed alternately by
+    its first unit (`worker.Worker.decode`): ours in the fast mode with the
+    floors (reading the `p + 1` valid slots of a full cache at each
+    position, the `w` slots of a rolling one), which come first; ours in
+    the other mode; keras-hub's in each mode. A group holds every cache at
+    its positions in increasing order. Then `generate` with keras-hub's
+    attention and with ours; then the prefills, each window (the rolling
+    one, none) without a cache and through one.
     """
     units = []
-    floor_mode = fast_mode(backend)
-    for position in spec["positions"]:
-        units.append({"kind": "floor", "backend": backend, "cache": "full",
-                      "slots": spec["full_length"], "position": position,
-                      "reads": position + 1, "mode": floor_mode})
-    units.append({"kind": "floor", "backend": backend, "cache": "rolling",
-                  "slots": spec["window"], "position": None,
-                  "reads": spec["window"], "mode": floor_mode})
+    fast = fast_mode(backend)
     for impl in DECODE_IMPLS:
-        for cache, slots, positions in decode_caches(spec, impl):
-            for mode in decode_modes(backend):
+        modes = decode_modes(backend)
+        if impl == "ours":
+            modes = [fast] + [mode for mode in modes if mode != fast]
+        for mode in modes:
+            if impl == "ours" and mode == fast:
+                for position in spec["positions"]:
+                    units.append({
+                        "kind": "floor", "backend": backend, "cache": "full",
+                        "slots": spec["full_length"], "position": position,
+                        "reads": position + 1, "mode": mode})
+                units.append({"kind": "floor", "backend": backend,
+                              "cache": "rolling", "slots": spec["window"],
+                              "position": None, "reads": spec["window"],
+                              "mode": mode})
+            for cache, slots, positions in decode_caches(spec, impl):
                 for position in positions:
                     units.append({
                         "kind": "decode", "backend": backend, "impl": impl,
@@ -620,9 +642,9 @@ def decode_units(backend, spec):
                       "prompt_length": generate["prompt_length"],
                       "max_length": generate["max_length"]})
     prefill = spec["prefill"]
-    for window, cache in ((prefill["window"], "rolling"), (None, "full")):
+    for window in (prefill["window"], None):
         for mode in decode_modes(backend):
-            for name in ("none", cache):
+            for name in ("none", prefill_cache(window)):
                 units.append({"kind": "prefill", "backend": backend,
                               "cache": name, "T": prefill["length"],
                               "w": window, "mode": mode})

@@ -18,7 +18,8 @@ The decode section's units (`decode`, `floor`, `generate`, `prefill`, see
 `plan.decode_units`) fill their caches with random keys and values before
 timing, so every slot a step reads holds a real token.
 The two `generate` units (keras-hub's attention and ours) are timed
-together, call for call, by the first of them to run.
+together, call for call, by the first of them to run; so are the `decode`
+steps of one implementation in one mode (every cache at every position).
 
 A unit is timed after a warm-up call (compilation included, reported as
 `first_call_s`); the timed calls are `repeats` (fewer if they would take
@@ -322,6 +323,24 @@ class Worker:
                 result["note"] = "; ".join(notes)
             return result
         raise AssertionError("unreachable")
+
+    def time_group(self, cells, repeats):
+        """`{name: result}` of the named `cells`, `[(name, candidates)]`:
+        each cell's compiler picked and warmed by `time_candidates` (one
+        timed call), then the cells timed alternately (`time_alternately`)
+        on what they picked."""
+        calls, picked = [], {}
+        for name, candidates in cells:
+            picked[name] = self.time_candidates(candidates, 1)
+            calls.append((name, dict(candidates)[picked[name]["compiler"]]))
+        results = self.time_alternately(calls, repeats, "alternately")
+        for name, result in results.items():
+            chosen = picked[name]
+            result.update(compiler=chosen["compiler"], timing="alternately",
+                          first_call_s=chosen["first_call_s"])
+            if "note" in chosen:
+                result["note"] = chosen["note"]
+        return results
 
     def drop_setup(self):
         self._setup_key = self._setup = None
@@ -648,91 +667,124 @@ class Worker:
         result["jit_compile"] = bool(model.jit_compile)
         return result
 
-    def _decode_layer(self, unit):
-        """`(layer, cache)` of a decode unit: our layer (a rolling cache with
-        `window` slots) or keras-hub's, the cache filled with random keys
-        and values (ours: every slot a real token)."""
+    def _decode_layer(self, impl, cache, slots):
+        """`(layer, cache)` of a decode cell: our layer (a rolling cache of
+        `slots` slots when `cache` is `"rolling"`) or keras-hub's, the cache
+        filled with random keys and values (ours: every slot a real
+        token)."""
         import keras_mha
         from keras_mha.attention import cache as cache_lib
 
         config = self.config
         batch, heads, head = (config["batch"], config["num_heads"],
                               config["key_dim"])
-        slots = unit["slots"]
-        if unit["impl"] == "keras_hub":
+        if impl == "keras_hub":
             import keras_hub
 
             layer = self._layer(keras_hub.layers.CachedMultiHeadAttention, 1)
-            cache = self.backend.tensor(
+            tensors = self.backend.tensor(
                 self._random((batch, 2, slots, heads, head)))  # (B,2,S,N,H)
-            return layer, cache
-        rolling = unit["cache"] == "rolling"
+            return layer, tensors
+        rolling = cache == "rolling"
         layer = self._layer(keras_mha.MultiHeadAttention, 1,
                             sliding_window=slots if rolling else None)
         key, value = (self.backend.tensor(self._random(
             (batch, slots, heads, head))) for _ in range(2))  # (B, S, N, H)
-        cache = cache_lib.write(layer.init_cache(batch, slots), key, value,
-                                None, 0, rolling)
-        return layer, cache
+        tensors = cache_lib.write(layer.init_cache(batch, slots), key, value,
+                                  None, 0, rolling)
+        return layer, tensors
 
     def decode(self, unit):
         """One decode step at `position`, the cache threaded from call to
-        call. The layer, cache and compiled step of a (layer, cache, mode)
-        serve its positions in turn."""
-        missing = unit["impl"] == "keras_hub" and keras_hub_missing()
+        call; or a floor (`floor`).
+
+        The first unit of a group (`plan.decode_group`: an implementation
+        in a mode, the floors with ours in the fast mode) times every unit
+        of the group with `time_group`, each cache at each of its
+        positions, and the group's other units report their part of that
+        run: the ratios of the decode targets (a position against another,
+        a cache size against another, a step against its floor) are then
+        measured over the same seconds. Timed one after the other, 10
+        calls each, they also carried whatever the machine did in between:
+        the rolling cache's steps, which all read the same `w` slots, read
+        1.03-1.31x slowest over fastest across runs (the same steps over
+        200 alternate rounds: 1.02x); the eager JAX step at p = 1k in
+        65,536 slots 1.16-1.58x the one in 2,048 (1.09-1.18x alternately);
+        and JAX's floor at p = 64k 4.8-8.0 ms.
+        """
+        missing = unit["kind"] == "decode" and (
+            unit["impl"] == "keras_hub" and keras_hub_missing())
         if missing:
             return {"status": plan.NOT_AVAILABLE, "reason": missing}
-        spec = self.config["decode"]
-        key = ("decode", unit["impl"], unit["cache"], unit["slots"],
-               unit["mode"])
-        if key != self._setup_key:
-            self.drop_setup()
-            layer, cache = self._decode_layer(unit)
-            features = self.config["num_heads"] * self.config["key_dim"]
-            token = self.backend.tensor(
-                self._random((self.config["batch"], 1, features)))
-            state = {"cache": cache, "index": None, "mask": None}
-            self._setup_key = key
-            self._setup = {
-                "state": state,
-                "candidates": self.backend.cached(layer, token, state,
-                                                  unit["mode"]),
-                "cache_bytes": _bytes(cache),
-            }
-        setup = self._setup
-        state = setup["state"]
-        state["index"] = self.backend.index(unit["position"])
-        if unit["impl"] == "keras_hub":
-            state["mask"] = self.backend.tensor(causal_cache_mask(
-                self.config["batch"], unit["slots"], unit["position"]))
-        result = self.time_candidates(setup["candidates"], spec["repeats"])
-        # Later positions reuse what compiled and skip what failed.
-        setup["candidates"] = [c for c in setup["candidates"]
-                               if c[0] == result["compiler"]]
-        result.update(cache_bytes=setup["cache_bytes"],
-                      ms_per_token=result["time_s"] * 1e3)
-        return result
+        group = plan.decode_group(unit)
+        name = (unit["kind"], unit["cache"], unit["slots"], unit["position"])
+        if self._setup_key == ("decode", group) and name in self._setup:
+            return self._setup.pop(name)
+        self.drop_setup()
+        members = [u for u in plan.decode_units(self.name,
+                                                self.config["decode"])
+                   if u["kind"] in ("decode", "floor")
+                   and plan.decode_group(u) == group]
+        cells, caches, extra = [], {}, {}
+        for member in members:
+            cell = (member["kind"], member["cache"], member["slots"],
+                    member["position"])
+            make = (self._floor_cell if member["kind"] == "floor"
+                    else self._step_cell)
+            candidates, extra[cell] = make(member, caches)
+            cells.append((cell, candidates))
+        results = self.time_group(cells, self.config["decode"]["repeats"])
+        for cell, result in results.items():
+            result.update(extra[cell], ms_per_token=result["time_s"] * 1e3)
+            if "read_bytes" in result:
+                result["gb_per_s"] = (result["read_bytes"] / result["time_s"]
+                                      / 1e9)
+        self._setup_key, self._setup = ("decode", group), results
+        return self._setup.pop(name)
 
-    def floor(self, unit):
-        """The floor of a step: the sums of the `reads` valid slots of
-        random keys and values shaped as our cache's of `slots` slots, read
-        once (its flags, a byte a slot, are left out)."""
+    floor = decode
+
+    def _step_cell(self, unit, caches):
+        """`(candidates, fields)` of a decode step: its cache's calls
+        (`backend.cached`, one per cache in `caches`, its state threaded)
+        pointed at the unit's position first."""
+        batch = self.config["batch"]
+        slots = unit["slots"]
+        key = (unit["cache"], slots)
+        if key not in caches:
+            features = self.config["num_heads"] * self.config["key_dim"]
+            token = self.backend.tensor(self._random((batch, 1, features)))
+            layer, tensors = self._decode_layer(unit["impl"], unit["cache"],
+                                                slots)
+            state = {"cache": tensors, "index": None, "mask": None}
+            caches[key] = (state, self.backend.cached(
+                layer, token, state, unit["mode"]), _bytes(tensors))
+        state, candidates, cache_bytes = caches[key]
+        mask = (self.backend.tensor(causal_cache_mask(
+            batch, slots, unit["position"]))
+            if unit["impl"] == "keras_hub" else None)
+        at = functools.partial(_place, state,
+                               self.backend.index(unit["position"]), mask)
+        return ([(c, _then(at, fn)) for c, fn in candidates],
+                {"cache_bytes": cache_bytes})
+
+    def _floor_cell(self, unit, caches):
+        """`(candidates, fields)` of a floor: the sums of the `reads` valid
+        slots of random keys and values shaped as our cache's of `slots`
+        slots, read once (its flags, a byte a slot, are left out)."""
         from keras import ops
 
         from keras_mha.attention import cache as cache_lib
 
         config = self.config
         key = ("floor", unit["cache"], unit["slots"])
-        if key != self._setup_key:
-            self.drop_setup()
+        if key not in caches:
             shapes = cache_lib.cache_shapes(
                 config["batch"], unit["slots"], config["num_heads"],
                 config["key_dim"], config["key_dim"])[:2]  # (B, S, K, H)
-            self._setup_key = key
-            self._setup = {"cache": tuple(
-                self.backend.tensor(self._random(shape)) for shape in shapes
-            )}
-        cache, reads = self._setup["cache"], unit["reads"]
+            caches[key] = tuple(self.backend.tensor(self._random(shape))
+                                for shape in shapes)
+        cache, reads = caches[key], unit["reads"]
 
         def total(keys, values):
             return ops.sum(keys[:, :reads]) + ops.sum(values[:, :reads])
@@ -740,13 +792,8 @@ class Worker:
         candidates = (self.backend.eager(lambda: total(*cache))
                       if unit["mode"] == "eager"
                       else self.backend.core(total, cache, "forward"))
-        result = self.time_candidates(candidates,
-                                      self.config["decode"]["repeats"])
-        read_bytes = _bytes(cache) * reads // unit["slots"]
-        result.update(read_bytes=read_bytes,
-                      ms_per_token=result["time_s"] * 1e3,
-                      gb_per_s=read_bytes / result["time_s"] / 1e9)
-        return result
+        return candidates, {
+            "read_bytes": _bytes(cache) * reads // unit["slots"]}
 
     def generate(self, unit):
         """Greedy `GPT2CausalLM.generate` of the tiny GPT-2 (keras-hub
@@ -805,38 +852,36 @@ class Worker:
         """The prompt of `T` tokens through our layer: without a cache
         (`layer(x, x, use_causal_mask=True)`), or through a rolling cache
         (a window) or a full one of `T` slots at `cache_update_index=0`, a
-        Python int. Both caches share the layer and input of their
-        window."""
+        Python int. The first unit of a (window, mode) times both with
+        `time_group` (timed one after the other, 3 calls each, TensorFlow's
+        eager rolling prefill read 1.36x the forward in one run, and
+        1.00x over 15 alternate rounds); the other reports its part."""
         import keras_mha
 
         config = self.config
-        key = ("prefill", unit["w"])
-        if key != self._setup_key:
-            self.drop_setup()
-            features = config["num_heads"] * config["key_dim"]
-            self._setup_key = key
-            self._setup = {
-                "layer": self._layer(keras_mha.MultiHeadAttention, unit["T"],
-                                     sliding_window=unit["w"]),
-                "x": self.backend.tensor(self._random(
-                    (config["batch"], unit["T"], features))),
-            }
-        layer, x = self._setup["layer"], self._setup["x"]
-        if unit["cache"] == "none":
-            candidates = (
-                self.backend.eager(lambda: layer(x, x, use_causal_mask=True))
-                if unit["mode"] == "eager"
-                else self.backend.layer(layer, x, True, "forward"))
-        else:
-            state = {"cache": layer.init_cache(config["batch"], unit["T"]),
-                     "index": 0, "mask": None}
-            candidates = self.backend.cached(layer, x, state, unit["mode"])
-        result = self.time_candidates(candidates,
-                                      config["decode"]["prefill"]["repeats"])
-        if unit["cache"] == "none":
-            result["path"] = layer.attention_path(
-                tuple(x.shape), tuple(x.shape), use_causal_mask=True)
-        return result
+        key = ("prefill", unit["w"], unit["mode"])
+        if key == self._setup_key and unit["cache"] in self._setup:
+            return self._setup.pop(unit["cache"])
+        self.drop_setup()
+        features = config["num_heads"] * config["key_dim"]
+        layer = self._layer(keras_mha.MultiHeadAttention, unit["T"],
+                            sliding_window=unit["w"])
+        x = self.backend.tensor(self._random(
+            (config["batch"], unit["T"], features)))
+        state = {"cache": layer.init_cache(config["batch"], unit["T"]),
+                 "index": 0, "mask": None}
+        results = self.time_group([
+            ("none", self.backend.eager(
+                lambda: layer(x, x, use_causal_mask=True))
+             if unit["mode"] == "eager"
+             else self.backend.layer(layer, x, True, "forward")),
+            (plan.prefill_cache(unit["w"]),
+             self.backend.cached(layer, x, state, unit["mode"])),
+        ], config["decode"]["prefill"]["repeats"])
+        results["none"]["path"] = layer.attention_path(
+            tuple(x.shape), tuple(x.shape), use_causal_mask=True)
+        self._setup_key, self._setup = key, results
+        return self._setup.pop(unit["cache"])
 
 
 # Rounds of a small-model cell's alternate timing, at least: the same
@@ -851,6 +896,20 @@ def _timed(times, first, peak, absolute):
     return {"status": plan.OK, "time_s": statistics.median(times),
             "times_s": times, "repeats": len(times), "first_call_s": first,
             "peak_bytes": peak, "rss_peak_bytes": absolute}
+
+
+def _place(state, index, mask):
+    """Points a decode cell's threaded `state` at its step's position."""
+    state["index"], state["mask"] = index, mask
+
+
+def _then(before, fn):
+    """`fn()` after `before()`."""
+    def run():
+        before()
+        return fn()
+
+    return run
 
 
 def _bytes(tensors):
