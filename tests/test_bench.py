@@ -107,11 +107,17 @@ def test_quick_reports_every_cell(quick_run):
             assert cell["forward_backward"]["status"] == plan.OK, (key, cell)
             assert cell["projection_gflops"] > 0, key
             assert cell["forward"]["fraction_of_matmul"] > 0, key
+        paired = cell["B"] == small["batch"] and (
+            cell["impl"] in plan.PAIRED_IMPLS)
+        if cell["impl"] in ("ours", "ours_core") and not paired:
+            # The projection timed after each of its calls: its own rate.
+            for mode in config["modes"]:
+                assert cell[mode]["projection_gflops"] > 0, (key, mode)
         if cell["scope"] == "layer":
             forward = cell["forward"]
+            rate = forward.get("projection_gflops", cell["projection_gflops"])
             assert forward["roofline_s"] == pytest.approx(
-                cell["layer_flops_forward"]
-                / (cell["projection_gflops"] * 1e9))
+                cell["layer_flops_forward"] / (rate * 1e9))
             assert forward["fraction_of_matmul"] == pytest.approx(
                 1 / forward["time_over_roofline"])
     if BACKEND == "torch":
@@ -720,6 +726,14 @@ def test_the_roofline_is_the_layers_own_projections():
     assert core["fraction_of_matmul"] == pytest.approx(
         counts["core"] / 1e9 / 100.0)
     assert "roofline_s" not in core
+    # A rate timed alongside the layer's calls is the one it reads against.
+    _, alongside = _matrix_cells({("jax", 1, 16384, 128, "ours", "forward"): {
+        "time_s": 1.0, "projection_gflops": 50.0}})
+    forward = next(c for c in alongside if (c["B"], c["T"], c["w"], c["impl"])
+                   == (1, 16384, 128, "ours"))["forward"]
+    assert forward["roofline_s"] == pytest.approx(counts["layer"] / 50e9)
+    assert forward["fraction_of_matmul"] == pytest.approx(
+        1 / forward["time_over_roofline"])
     small = found[8, 256, None, "ours"]
     assert small["layer_flops_forward"] == 8 * plan.flops(
         config, 256, None, True)["layer"]

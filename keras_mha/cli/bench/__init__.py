@@ -22,10 +22,11 @@ inputs and the weights) of:
 
 The yardstick of the "% matmul" column and of the roofline is the float32
 rate of the layer's own projection matmul, `(B*T, E) @ (E, N*H)`, timed
-in the same worker at each B and T of the cells: the roofline is the
-layer's useful FLOPs at that rate, what it would cost if attention ran as
-fast as its projections (a square matmul's rate is reported beside it,
-for information).
+in the same worker at each B and T of the cells (and, for our layer and
+core, after each of their timed calls, the rate they read against): the
+roofline is the layer's useful FLOPs at that rate, what it would cost if
+attention ran as fast as its projections (a square matmul's rate is
+reported beside it, for information).
 
 Unless `--no-fit`, it times one `train_on_batch` step (the config's `fit`
 section: a 2-layer causal transformer, B=1, T=4096, w=128, E=512, mse,

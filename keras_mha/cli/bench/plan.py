@@ -104,7 +104,8 @@ FLOPS_DEFINITION = (
     "matmuls in its backward). Masked-out pairs, softmax and padding are "
     "not counted. Rate = useful FLOPs / median time; projection rate = the "
     "float32 rate of one (B*T, E) @ (E, N*H) matmul, the shape of each "
-    "projection, timed in the same worker at the cell's B and T; '% of "
+    "projection, timed in the same worker at the cell's B and T (ours: "
+    "after each of its timed calls); '% of "
     "matmul' = rate / projection rate; roofline = whole-layer useful FLOPs "
     "/ projection rate (the layer's time if attention ran as fast as its "
     "projections)."
@@ -511,11 +512,10 @@ def units_for(backend, config, only=None):
         sizes = sorted({(batch, length) for batch, lengths, _, _
                         in cell_sections(config) for length in lengths},
                        key=lambda size: (size[0] * size[1], size))
-        features = config["num_heads"] * config["key_dim"]  # E = N*H
         for batch, length in sizes:
             units.append({"kind": "projection", "backend": backend,
                           "B": batch, "T": length,
-                          "shape": [batch * length, features, features],
+                          "shape": projection_shape(config, batch, length),
                           "repeats": config["matmul_repeats"]})
         for batch, lengths, windows, names in cell_sections(config):
             for length in lengths:
@@ -694,10 +694,11 @@ def unit_flops(config, unit):
 # --------------------------------------------------------------------- caps
 
 
-def projection_flops(unit):
-    """FLOPs of one call of a projection unit: `2 * B*T * E * (N*H)`."""
-    rows, inner, columns = unit["shape"]
-    return 2 * rows * inner * columns
+def projection_shape(config, batch, t_len):
+    """`[B*T, E, N*H]`: one of the layer's projections as a matmul
+    `(B*T, E) @ (E, N*H)` (here `E = N*H`)."""
+    features = config["num_heads"] * config["key_dim"]
+    return [batch * t_len, features, features]
 
 
 def dense_bytes(config, t_len, batch=None):

@@ -212,12 +212,17 @@ class Worker:
 
     # --- timing
 
-    def time_calls(self, fn, repeats, on_warm=None, warmup=1):
+    def time_calls(self, fn, repeats, on_warm=None, warmup=1, beside=None):
         """`warmup` untimed calls (the first compiles: `first_call_s`), then
         up to `repeats` timed calls: a result.
 
         Fewer calls are timed when they would take longer than the time
-        cap together (at least one).
+        cap together (at least one). `beside`: a yardstick timed after each
+        timed call (`beside_time_s`, its median; warmed with `fn`), so that
+        a ratio of the two spans the same seconds. Its memory stays under
+        the peak: its inputs exist before the meter starts, and it must
+        need less than one call of `fn` (a projection's matmul beside our
+        layer or core, whose outputs alone are as large).
         """
         block = self.backend.block
         started = time.perf_counter()
@@ -236,9 +241,11 @@ class Worker:
             block(out)
             warm = time.perf_counter() - started
             del out
+        if beside is not None:
+            block(beside())
         cap = self.config["time_cap_s"]
         count = max(1, min(repeats, int(cap // max(warm, 1e-9))))
-        times = []
+        times, yardstick = [], []
         self.meter.start()
         try:
             for _ in range(count):
@@ -247,9 +254,16 @@ class Worker:
                 block(out)
                 times.append(time.perf_counter() - started)
                 del out
+                if beside is not None:
+                    started = time.perf_counter()
+                    block(beside())
+                    yardstick.append(time.perf_counter() - started)
         finally:
             peak, absolute = self.meter.stop()
-        return _timed(times, first, peak, absolute)
+        result = _timed(times, first, peak, absolute)
+        if yardstick:
+            result["beside_time_s"] = statistics.median(yardstick)
+        return result
 
     def time_alternately(self, calls, repeats, compiler):
         """`{name: result}` (`time_calls`'s) of the named `calls`, timed in
@@ -289,7 +303,7 @@ class Worker:
                            compiler=compiler)
                 for name, _ in calls}
 
-    def time_candidates(self, candidates, repeats, warmup=1):
+    def time_candidates(self, candidates, repeats, warmup=1, beside=None):
         """Times the first candidate that runs (`time_calls`); notes why
         others did not.
 
@@ -312,7 +326,7 @@ class Worker:
             try:
                 result = self.time_calls(fn, repeats, on_warm=lambda first: (
                     self.emit({"event": "warm", "first_call_s": first})),
-                    warmup=warmup)
+                    warmup=warmup, beside=beside)
             except Exception as error:
                 if is_oom(error) or last:
                     raise
@@ -513,7 +527,15 @@ class Worker:
                 *setup["qkv"], unit["w"], unit["causal"], self.scale, mode
             )
             extra.update(info)
-        result = self.time_candidates(candidates, self.config["repeats"])
+        beside = None
+        if unit["kind"] == "attention" and impl in ("ours", "ours_core"):
+            beside, count = self._projection(unit["B"], unit["T"])
+        result = self.time_candidates(candidates, self.config["repeats"],
+                                      beside=beside)
+        if "beside_time_s" in result:  # the roofline's rate, alongside
+            result["projection_time_s"] = result.pop("beside_time_s")
+            result["projection_gflops"] = (
+                count / result["projection_time_s"] / 1e9)
         return {**result, **extra}
 
     def _paired(self, unit):
@@ -604,18 +626,27 @@ class Worker:
         `(B*T, E) @ (E, N*H)` (`shape`), compiled as the backend compiles
         (`Backend.matmul`)."""
         if unit["kind"] == "projection":
-            rows, inner, columns = unit["shape"]
-            count = plan.projection_flops(unit)
+            call, count = self._projection(unit["B"], unit["T"])
         else:
-            rows = inner = columns = unit["size"]
-            count = 2 * unit["size"] ** 3
-        a = self.backend.tensor(self._random((rows, inner)))
-        b = self.backend.tensor(self._random((inner, columns)))
-        result = self.time_candidates(
-            [(self.backend.compiler, self.backend.matmul(a, b))],
-            unit["repeats"])
+            size = unit["size"]
+            call, count = self._matmul((size, size, size)), 2 * size ** 3
+        result = self.time_candidates([(self.backend.compiler, call)],
+                                      unit["repeats"])
         result["gflops"] = count / result["time_s"] / 1e9
         return result
+
+    def _projection(self, batch, t_len):
+        """`(call, FLOPs)`: one of the layer's projections at `batch` and
+        `t_len` as one matmul `(B*T, E) @ (E, N*H)` (`plan.projection_shape`),
+        on random inputs made now."""
+        shape = plan.projection_shape(self.config, batch, t_len)
+        return self._matmul(shape), 2 * math.prod(shape)
+
+    def _matmul(self, shape):
+        rows, inner, columns = shape
+        a = self.backend.tensor(self._random((rows, inner)))
+        b = self.backend.tensor(self._random((inner, columns)))
+        return self.backend.matmul(a, b)
 
     def fit(self, unit):
         """One `train_on_batch` step (mean squared error, Adam) of
