@@ -17,9 +17,11 @@ transformer (`transformer`).
 The decode section's units (`decode`, `floor`, `generate`, `prefill`, see
 `plan.decode_units`) fill their caches with random keys and values before
 timing, so every slot a step reads holds a real token.
-The two `generate` units (keras-hub's attention and ours) are timed
-together, call for call, by the first of them to run; so are the `decode`
-steps of one implementation in one mode (every cache at every position).
+What a decode target compares is timed together, call for call, by the
+first unit of it to run: the two `generate` units (keras-hub's attention
+and ours); the `decode` steps of one implementation in one mode (every
+cache at every position), with the floors for ours in the fast mode
+(`plan.decode_group`); a prefill with and without its cache.
 
 A unit is timed after a warm-up call (compilation included, reported as
 `first_call_s`); the timed calls are `repeats` (fewer if they would take
