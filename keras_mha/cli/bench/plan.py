@@ -61,7 +61,8 @@ LABELS = {"keras": "keras", "ours": "ours", "ours_core": "ours core",
 # The `fit` step: a small causal transformer with our layer, then with
 # Keras's, in its blocks.
 FIT_IMPLS = ("ours", "keras")
-# The layers of a small-model cell, timed alternately (`worker.py`).
+# The layers of a small-model cell or one without a window, timed
+# alternately (`worker.py`).
 PAIRED_IMPLS = ("keras", "ours")
 # Feature cells: our layer with one feature on; `plain` is the layer
 # without any, the baseline of every ratio (see `worker.feature_arguments`).
@@ -442,6 +443,12 @@ def implementations_for(backend, names):
         else:
             found.append(name)
     return found
+
+
+def unwindowed(cell):
+    """Whether a cell (or unit) has no window, or one of at least its T:
+    where ours must keep up with Keras (the no-regression target)."""
+    return cell["w"] is None or cell["w"] >= cell["T"]
 
 
 def unit_id(unit):

@@ -617,9 +617,7 @@ def _training_speedup(cells, backends):
 def _no_regression(cells, backends):
     speeds = []  # (keras time / ours time, where)
     for cell in cells:
-        if cell["impl"] != "ours" or not (
-            cell["w"] is None or cell["w"] >= cell["T"]
-        ):
+        if cell["impl"] != "ours" or not plan.unwindowed(cell):
             continue
         for mode in plan.MODES:
             result = cell.get(mode)

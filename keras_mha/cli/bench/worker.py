@@ -17,8 +17,10 @@ transformer (`transformer`).
 The decode section's units (`decode`, `floor`, `generate`, `prefill`, see
 `plan.decode_units`) fill their caches with random keys and values before
 timing, so every slot a step reads holds a real token.
-What a decode target compares is timed together, call for call, by the
-first unit of it to run: the two `generate` units (keras-hub's attention
+What a target compares is timed together, call for call, by the first
+unit of it to run: Keras's layer and ours at a small-model cell or a cell
+without a window, with the projection matmul (`_paired_result`); the two
+`generate` units (keras-hub's attention
 and ours); the `decode` steps of one implementation in one mode (every
 cache at every position), with the floors for ours in the fast mode
 (`plan.decode_group`); a prefill with and without its cache.
@@ -541,26 +543,38 @@ class Worker:
         return {**result, **extra}
 
     def _paired(self, unit):
-        """Whether `unit` is a small-model cell's Keras or our layer, which
-        are timed together (`_paired_result`)."""
+        """Whether `unit` is Keras's layer or ours at a cell whose ratio is
+        a target, timed together (`_paired_result`): a small-model cell, or
+        a cell without a window (or with `w >= T`). At such a cell our unit
+        runs alone where Keras's unit of its mode did not time it (Keras's
+        was skipped, failed or is not in the run)."""
+        if unit["kind"] != "attention" or unit["impl"] not in plan.PAIRED_IMPLS:
+            return False
         small = self.config.get("small")
-        return (small is not None and unit["kind"] == "attention"
-                and unit["B"] == small["batch"]
-                and unit["impl"] in plan.PAIRED_IMPLS
-                and set(plan.PAIRED_IMPLS) <= set(small["implementations"]))
+        if (small is not None and unit["B"] == small["batch"]
+                and set(plan.PAIRED_IMPLS) <= set(small["implementations"])):
+            return True
+        if not plan.unwindowed(unit):
+            return False
+        if unit["impl"] == plan.PAIRED_IMPLS[0]:
+            return True
+        return (self._setup_key == _pair_key(unit)
+                and (unit["impl"], unit["mode"]) in self._setup["results"])
 
     def _paired_result(self, unit):
-        """Keras's layer and ours at a small-model cell, timed alternately.
+        """Keras's layer and ours at one cell, timed alternately.
 
-        At these sizes a call takes milliseconds, and timed one unit after
-        the other, the ratio of the two carried whatever the machine did
-        between the units (the same cells read 0.86x and 1.03x in two runs
-        of one commit). The first of the cell's units of a mode builds both
-        layers on the same input and times their calls in turn
+        A call of a small-model cell takes milliseconds, and timed one unit
+        after the other, the ratio of the two carried whatever the machine
+        did between the units (the same cells read 0.86x and 1.03x in two
+        runs of one commit; torch at B=1, T=4,096, where both layers run
+        one kernel, read 0.94x). The first of the cell's units of a mode
+        builds both layers on the same input and times their calls in turn
+        with the projection matmul, our roofline's yardstick
         (`time_alternately`); the other unit reports its half. The memory
         peak is each layer's own: one more call of each, metered alone.
         """
-        cell = ("paired", unit["B"], unit["T"], unit["w"], unit["causal"])
+        cell = _pair_key(unit)
         if cell != self._setup_key:
             self.drop_setup()
             shape = (unit["B"], unit["T"],
@@ -573,6 +587,7 @@ class Worker:
                     for impl in plan.PAIRED_IMPLS
                 },
                 "x": self.backend.tensor(self._random(shape)),
+                "projection": self._projection(unit["B"], unit["T"]),
                 "results": {},
             }
         setup, mode = self._setup, unit["mode"]
@@ -584,16 +599,19 @@ class Worker:
             ]
             results = self._time_pair(list(zip(*candidates)),
                                       max(self.config["repeats"],
-                                          PAIRED_ROUNDS))
+                                          PAIRED_ROUNDS),
+                                      setup["projection"])
             for impl, result in results.items():
                 setup["results"][impl, mode] = result
         return setup["results"].pop((unit["impl"], mode))
 
-    def _time_pair(self, rounds, repeats):
+    def _time_pair(self, rounds, repeats, projection):
         """`time_alternately` of the first compiler both layers run with
-        (`rounds`: per compiler, one candidate per layer), then each
-        layer's memory peak alone."""
+        (`rounds`: per compiler, one candidate per layer) and of the
+        `projection` (`(call, FLOPs)`), whose rate goes into our layer's
+        result, then each layer's memory peak alone."""
         notes = []
+        yardstick, count = projection
         for number, candidates in enumerate(rounds):
             compiler = candidates[0][0]
             if compiler in self.skip_compilers:
@@ -602,12 +620,16 @@ class Worker:
             calls = [(impl, fn) for impl, (_, fn)
                      in zip(plan.PAIRED_IMPLS, candidates)]
             try:
-                results = self.time_alternately(calls, repeats, compiler)
+                results = self.time_alternately(
+                    calls + [("projection", yardstick)], repeats, compiler)
             except Exception as error:
                 if is_oom(error) or number == len(rounds) - 1:
                     raise
                 notes.append(f"{compiler}: {first_line(error)}")
                 continue
+            beside = results.pop("projection")["time_s"]
+            results["ours"].update(projection_time_s=beside,
+                                   projection_gflops=count / beside / 1e9)
             for impl, fn in calls:
                 self.meter.start()
                 try:
@@ -917,7 +939,13 @@ class Worker:
         return self._setup.pop(unit["cache"])
 
 
-# Rounds of a small-model cell's alternate timing, at least: the same
+def _pair_key(unit):
+    """The cell whose Keras and our layers `Worker._paired_result` times
+    together."""
+    return ("paired", unit["B"], unit["T"], unit["w"], unit["causal"])
+
+
+# Rounds of a paired cell's alternate timing, at least: the same
 # jitted program timed against itself there read 0.92-1.09x over 15 rounds
 # on the 2-core CPU, and wider over 5.
 PAIRED_ROUNDS = 15
