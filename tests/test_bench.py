@@ -1305,6 +1305,38 @@ def test_targets_compare_the_reference_cell():
 
 @pytest.mark.skipif(backends.get(BACKEND) is None,
                     reason=f"the bench has no {BACKEND} worker")
+def test_cells_without_a_window_pair_keras_and_ours_while_calls_are_short():
+    config = plan.load_config(None, "quick")
+    bench_worker = worker.Worker(config)
+    cell = {"kind": "attention", "backend": BACKEND, "B": config["batch"],
+            "T": 4096, "causal": True, "mode": "forward"}
+    keras_unit = dict(cell, impl="keras", w=None)
+
+    def ran(seconds):  # Keras's layer at T=1,024 took `seconds` a call
+        return [dict(cell, impl="keras", w=None, T=1024, status=plan.OK,
+                     time_s=seconds)]
+
+    # 16x a dense call at a quarter of T: 1.6 s pairs, 16 s does not.
+    assert bench_worker._paired(keras_unit, "dense", ran(0.1))
+    assert not bench_worker._paired(keras_unit, "dense", ran(1.0))
+    # Nothing shorter ran: its FLOPs at the slow rate (2.6 s at T=4,096).
+    assert bench_worker._paired(keras_unit, "dense", [])
+    assert not bench_worker._paired(dict(keras_unit, T=65536), "dense", [])
+    # A window shorter than T is never paired; one of T or more is.
+    assert not bench_worker._paired(dict(keras_unit, w=128), "banded", [])
+    assert bench_worker._paired(dict(keras_unit, w=4096), "dense", [])
+    # Our layer pairs only where Keras's unit of its mode timed it.
+    ours = dict(cell, impl="ours", w=None)
+    assert not bench_worker._paired(ours, "dense", [])
+    small = config["small"]
+    for impl in plan.PAIRED_IMPLS:  # the small cells always pair
+        unit = dict(cell, impl=impl, w=None, B=small["batch"],
+                    T=small["lengths"][0])
+        assert bench_worker._paired(unit, "dense", [])
+
+
+@pytest.mark.skipif(backends.get(BACKEND) is None,
+                    reason=f"the bench has no {BACKEND} worker")
 def test_alternate_timing_takes_turns():
     bench_worker = worker.Worker(plan.load_config(None, "quick"))
     calls = []

@@ -516,7 +516,7 @@ class Worker:
                                  analytic, memory_cap_bytes)
         if reason is not None:
             return {"status": plan.SKIPPED, "reason": reason, **extra}
-        if self._paired(unit):
+        if self._paired(unit, complexity, history):
             return {**self._paired_result(unit), **extra}
         setup = self._cell(unit)
         if plan.SCOPE[impl] == "layer":
@@ -542,12 +542,15 @@ class Worker:
                 count / result["projection_time_s"] / 1e9)
         return {**result, **extra}
 
-    def _paired(self, unit):
+    def _paired(self, unit, complexity, history):
         """Whether `unit` is Keras's layer or ours at a cell whose ratio is
         a target, timed together (`_paired_result`): a small-model cell, or
-        a cell without a window (or with `w >= T`). At such a cell our unit
-        runs alone where Keras's unit of its mode did not time it (Keras's
-        was skipped, failed or is not in the run)."""
+        a cell without a window (or with `w >= T`) where one call of
+        Keras's layer is expected within `PAIRED_MAX_CALL_S` (predicted
+        from shorter T, `plan.estimate`, or from its FLOPs at
+        `PAIRED_SLOW_RATE` where none ran). Our unit at such a cell runs
+        alone where Keras's unit of its mode did not time it (Keras's was
+        not paired, was skipped or failed, or is not in the run)."""
         if unit["kind"] != "attention" or unit["impl"] not in plan.PAIRED_IMPLS:
             return False
         small = self.config.get("small")
@@ -556,10 +559,13 @@ class Worker:
             return True
         if not plan.unwindowed(unit):
             return False
-        if unit["impl"] == plan.PAIRED_IMPLS[0]:
-            return True
-        return (self._setup_key == _pair_key(unit)
-                and (unit["impl"], unit["mode"]) in self._setup["results"])
+        if unit["impl"] != plan.PAIRED_IMPLS[0]:
+            return (self._setup_key == _pair_key(unit)
+                    and (unit["impl"], unit["mode"]) in self._setup["results"])
+        seconds, _, _ = plan.estimate(unit, self.config, complexity, history)
+        if seconds is None:
+            seconds = plan.unit_flops(self.config, unit) / PAIRED_SLOW_RATE
+        return seconds <= PAIRED_MAX_CALL_S
 
     def _paired_result(self, unit):
         """Keras's layer and ours at one cell, timed alternately.
@@ -945,6 +951,13 @@ def _pair_key(unit):
     return ("paired", unit["B"], unit["T"], unit["w"], unit["causal"])
 
 
+# A cell without a window is timed in pairs where one call of Keras's layer
+# is expected to take at most this many seconds, predicted at this rate in
+# FLOP/s where no shorter T ran: a longer call's ratio is not at the mercy
+# of the machine's jitter, and two such layers' warm-up, rounds and peaks
+# could overrun the timed calls' deadline (`runner.timed_timeout`).
+PAIRED_MAX_CALL_S = 5.0
+PAIRED_SLOW_RATE = 10e9
 # Rounds of a paired cell's alternate timing, at least: the same
 # jitted program timed against itself there read 0.92-1.09x over 15 rounds
 # on the 2-core CPU, and wider over 5.
