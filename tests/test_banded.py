@@ -423,16 +423,22 @@ class TestArguments:
 
     @pytest.mark.skipif(not banded.native_available(),
                         reason="only torch has a native path")
-    @pytest.mark.parametrize("case", ["causal", "sym-gqa-alibi", "padded"])
+    @pytest.mark.parametrize(
+        "case", ["causal", "sym-gqa-alibi", "padded", "gqa-alibi-cap"]
+    )
     def test_native_inference_layout(self, rng, case, monkeypatch):
         # Without a gradient the native kernel reads the projections in
         # place (`kernels._inference_band`): blocks at either end of the
         # keys get padded copies, grouped heads the kernel's own grouping,
-        # per-row masks one bias per block. Same numbers as the layout
-        # that a gradient takes.
+        # per-row masks one bias per block; a soft-cap runs torch products
+        # a head and a few blocks at a time (here 5 blocks of 16 rows by 64
+        # keys, the last step shorter). Same numbers as the layout that a
+        # gradient takes.
         import torch
 
         from keras_mha.attention import kernels
+
+        monkeypatch.setattr(kernels, "_CAP_STEP_BYTES", 5 * 16 * 64 * 4)
 
         calls = []
         inference = kernels._inference_band
@@ -442,17 +448,19 @@ class TestArguments:
             return calls[-1]
 
         monkeypatch.setattr(kernels, "_inference_band", spy)
-        num_kv = 1 if case == "sym-gqa-alibi" else 2
+        num_kv = 1 if "gqa" in case else 2
         q = torch.tensor(_heads(rng, 304, 2))  # 19 blocks of 16
         if case == "causal":  # heads before positions in memory
             q = q.transpose(1, 2).contiguous().transpose(1, 2)
         k, v = (torch.tensor(_heads(rng, 304, num_kv)) for _ in range(2))
         fields = {}
-        if case == "sym-gqa-alibi":
+        if "alibi" in case:
             fields["alibi"] = (0.5, 0.25)
         if case == "padded":
             fields["key_mask"] = _padding(304, [304, 211])
-        spec = attention_spec(HEAD, 40, case != "sym-gqa-alibi", **fields)
+        if case.endswith("cap"):
+            fields["soft_cap"] = 1.5
+        spec = attention_spec(HEAD, 40, not case.startswith("sym"), **fields)
         plain = banded.banded_attention(q, k, v, spec, block_size=16)
         q.requires_grad_(True)
         traced = banded.banded_attention(q, k, v, spec, block_size=16)

@@ -169,7 +169,7 @@ class TestDecoding:
         import torch
 
         from keras_mha.attention import decode
-        from keras_mha.attention import kernels
+        from keras_mha.attention import decode_kernels as kernels
 
         monkeypatch.setattr(decode, "IMPLEMENTATION", "native")
         monkeypatch.setattr(kernels, "_DECODE_CHUNK", 2)

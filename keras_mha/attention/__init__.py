@@ -15,7 +15,8 @@ masks from the spec with the position rule of `masks.py`:
   sees (`attend_cached` picks between them and the paths above);
 - `kernels.py`: backend kernels behind the portable paths' interfaces,
   `cache_kernels.py` the cache's in-place writes and `decode_kernels.py`
-  an eager decode step compiled as one function.
+  the eager decode step's (torch's fused kernel over the slots; on
+  TensorFlow and JAX the step compiled as one function).
 
 Nothing here imports the layer or the command line.
 """

@@ -78,9 +78,10 @@ def default_block_size(window):
 # Measured on the 2-core CPU (T = 16384, N = 8, H = 64, forward under
 # `torch.no_grad()`, b = 32 / 64 / 128, timed alternately): causal
 # w = 128: 76 / 91 / 121 ms; w = 512: 206 / 214 / 226 ms; symmetric
-# w = 128: 138 / 140 / 149 ms; with a soft-cap 167 / 181 / 225 ms, sinks
-# 65 / 72 / 92 ms, ALiBi 111 / 123 / 144 ms; w = 64, b = 16 / 32 / 64:
-# 96 / 86 / 94 ms. Its backward runs best with `default_block_size`
+# w = 128: 138 / 140 / 149 ms; sinks 65 / 72 / 92 ms, ALiBi 111 / 123 /
+# 144 ms; w = 64, b = 16 / 32 / 64: 96 / 86 / 94 ms. With a soft-cap
+# (`kernels._capped_blocks`; on the AVX-512 machine) b = 16 / 32 / 64
+# took 69 / 69 / 76 ms. Its backward runs best with `default_block_size`
 # (causal w = 128, forward+backward: 960 / 673 / 623 ms).
 NATIVE_INFERENCE_BLOCK = _MIN_BLOCK
 

@@ -14,11 +14,11 @@ Late in a large cache, a traced step of one token on JAX reads every slot
 in one pass instead (`WHOLE_FROM`): XLA on CPU copies each block the loop
 slices, and the pass reads the cache where it lies.
 
-Eager steps take a native route where the backend has one: on torch
-(`kernels.decode_core`), the fused attention kernel over every slot below
-the limit, on strided views of the cache (a long step in chunks of slots
-merged by their log-sum-exp); on TensorFlow and JAX
-(`decode_kernels.py`), the traced loop as one compiled function (a graph,
+Eager steps take a native route where the backend has one
+(`decode_kernels.py`): on torch (`decode_core`), the fused attention kernel
+over every slot below the limit, on strided views of the cache (a long
+step in chunks of slots merged by their log-sum-exp); on TensorFlow and
+JAX (`graph_decode`), the traced loop as one compiled function (a graph,
 `jax.jit`), which saves the loop's per-op dispatch.
 
 Shapes: query `(B, T, N, H)`; the cache `(keys, values, valid)`, `(B, L,
@@ -48,8 +48,9 @@ PAIR = "pair"  # keras-hub's: (B, 2, L, K, H), keys at [:, 0], values at [:, 1]
 # p = 1k, and 4,096 was 3-8x slower at both. With the packed products
 # (`_packed_query`), jitted: 512 / 1,024 / 2,048 / 4,096 took 53 / 42 /
 # 38 / 37 ms at p = 64k and 0.95 / 1.5 / 2.0 / 3.7 ms at p = 1. Eager
-# torch steps now read all the slots at once (`kernels.decode_core`); its
-# blocks serve traced steps and the portable implementation.
+# torch steps now read all the slots at once
+# (`decode_kernels.decode_core`); its blocks serve traced steps and the
+# portable implementation.
 BLOCK_SIZES = {"torch": 4096}
 BLOCK_SIZE = 1024
 
@@ -110,8 +111,9 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         implementation: `"portable"` (the block loop, op by op in an
             eager call), `"native"` (every eager step on the backend's own
             route: torch's fused kernel over the slots below the limit at
-            once, `kernels.decode_core`; on TensorFlow and JAX the block
-            loop as one compiled function, `decode_kernels.graph_decode`) or
+            once, `decode_kernels.decode_core`; on TensorFlow and JAX the
+            block loop as one compiled function,
+            `decode_kernels.graph_decode`) or
             `None`:
             `IMPLEMENTATION`, else the native route where it exists (on
             torch while its bias stays below `_NATIVE_BIAS_LIMIT`).
@@ -293,7 +295,7 @@ def _num_slots(cache, pair):
 
 
 def _takes_native(implementation, blocks, q, num_slots, slopes, dense):
-    """Whether a torch step runs `kernels.decode_core` (see
+    """Whether a torch step runs `decode_kernels.decode_core` (see
     `decode_attention`'s `implementation`)."""
     if implementation == PORTABLE or keras.backend.backend() != "torch":
         return False
@@ -311,9 +313,9 @@ def _takes_native(implementation, blocks, q, num_slots, slopes, dense):
 def _native_step(q, cache, size, limit, query_positions, query_mask, spec,
                  rolling, pair, slopes, dense, sinks):
     """`(B, K, G, T, V)`: the step over slots `[0, size)` at once, with
-    torch's fused kernel (`kernels.decode_core`); the keys and the values
-    are strided views of the cache, never copied."""
-    import keras_mha.attention.kernels as kernels
+    torch's fused kernel (`decode_kernels.decode_core`); the keys and the
+    values are strided views of the cache, never copied."""
+    import keras_mha.attention.decode_kernels as decode_kernels
 
     keys, values, written = _slots(cache, 0, size, pair, q.dtype)
     positions = cache_lib.slot_positions(
@@ -329,8 +331,8 @@ def _native_step(q, cache, size, limit, query_positions, query_mask, spec,
         distance = query_positions[:, None] - positions[None, :]
         alibi = logits.alibi(slopes, distance[None, None, None], q.dtype)
     mask, has_key = masks_lib.open_empty_rows(mask)
-    out = kernels.decode_core(q, keys, values, mask, alibi, sinks,
-                              spec.soft_cap)
+    out = decode_kernels.decode_core(q, keys, values, mask, alibi, sinks,
+                                     spec.soft_cap)
     return masks_lib.zero_empty_rows(out, has_key)
 
 

@@ -13,11 +13,13 @@ banded forward about 2x faster and the backward about 1.5x faster than the
 mask and ALiBi go in as an additive bias of one `(b, span)` block shared
 by the band's interior blocks; sinks join the softmax through the flash
 kernel's log-sum-exp; a soft-cap runs as torch products a few blocks at a
-time with a backward of its own (the README's feature table measures each).
+time with a backward of its own, and without a gradient a head at a time on
+views of the projections (the README's feature table measures each).
 
 `project`: `EinsumDense`'s einsum and bias as one `torch.addmm`
-(`projections.Projection`). The cache's in-place writes are in
-`cache_kernels.py`.
+(`projections.Projection`); `rotate_half`: the rotary embedding in place.
+The cache's in-place writes are in `cache_kernels.py`, the decode step's
+kernels in `decode_kernels.py`.
 
 Each function imports its backend: the module is imported only by the
 paths that use it, on that backend.
@@ -83,10 +85,10 @@ def banded_core(query, key, value, mask, scale, band, alibi=None,
     """
     import torch
 
-    if soft_cap is None and sinks is None and not differentiated(
-        query, key, value
-    ):
-        out = _inference_band(query, key, value, mask, scale, band, alibi)
+    if sinks is None and not differentiated(query, key, value):
+        out = _inference_band(
+            query, key, value, mask, scale, band, alibi, soft_cap
+        )
         if out is not None:
             return out
     batch, padded_len, num_heads, head = query.shape
@@ -132,8 +134,8 @@ def banded_core(query, key, value, mask, scale, band, alibi=None,
     return out.reshape(batch, padded_len, num_heads, value_head)
 
 
-def _inference_band(query, key, value, mask, scale, band, alibi):
-    """`banded_core` without a gradient, soft-cap or sinks, and no copies.
+def _inference_band(query, key, value, mask, scale, band, alibi, soft_cap):
+    """`banded_core` without a gradient or sinks, and no copies.
 
     The kernel's batch is the query blocks and its heads the heads: query
     block `i` of batch row `β` is a strided view `(N, b, H)` of `(B, T, N,
@@ -143,8 +145,10 @@ def _inference_band(query, key, value, mask, scale, band, alibi):
     keys (the first `L` of a causal band) read a padded copy of their
     frame. At T = 16384, w = 128 (b = 32) this saves the other layout's
     copies (queries, key and value frames, output): 25-30 ms on a 55 ms
-    kernel. Grouped heads use `enable_gqa`. `None` when no block lies
-    inside the keys (short sequences).
+    kernel. Grouped heads use `enable_gqa`. With a soft-cap the same views
+    go through `_capped_blocks` (T = 16384, w = 128, forward: 67 ms against
+    129 for `_capped_attention` on the other layout, and 46 ms without a
+    cap). `None` when no block lies inside the keys (short sequences).
     """
     import torch
 
@@ -196,15 +200,58 @@ def _inference_band(query, key, value, mask, scale, band, alibi):
             bias = bias.masked_fill_(~part, float("-inf"))[:, None]
             if terms is not None:
                 bias = bias + terms  # (m|1, N, b, span)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q[first:stop], spans(key[row], first, stop - first),
-                spans(value[row], first, stop - first), attn_mask=bias,
-                scale=scale, enable_gqa=num_kv != num_heads,
-            )  # (m, N, b, V), laid out as (m, b, N, V)
+            args = (q[first:stop], spans(key[row], first, stop - first),
+                    spans(value[row], first, stop - first), bias)
+            if soft_cap is None:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    *args, scale=scale, enable_gqa=num_kv != num_heads
+                )  # (m, N, b, V), laid out as (m, b, N, V)
+            else:
+                out = _capped_blocks(*args, scale, soft_cap)
             pieces.append(out.transpose(1, 2))
         rows.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
     out = torch.stack(rows) if batch > 1 else rows[0][None]
     return out.reshape(batch, n * b, num_heads, value_head)
+
+
+# The scores of one step of `_capped_blocks`. Measured on the 2-core CPU
+# (T = 16384, w = 128, b = 32, forward, the interior blocks): 75 / 62 / 59
+# / 55 / 57 ms for steps of 256 KiB / 512 KiB / 1 / 2 / 4 MiB, against 40
+# ms for the fused kernel without a cap.
+_CAP_STEP_BYTES = 2 << 20
+
+
+def _capped_blocks(q, k, v, bias, scale, cap):
+    """`_capped_attention`'s forward without sinks or a gradient, on the
+    views of `_inference_band`: one head at a time, its blocks are a batch
+    of plain products whose operands are those views (rows `N·H` apart),
+    so nothing is copied but a step's scores, which stay in the cache, and
+    the row's softmax is torch's own fused kernel.
+
+    `q` `(m, N, b, H)`, `k` `(m, K, span, H)`, `v` `(m, K, span, V)`,
+    `bias` `(m|1, N|1, b, span)` with a finite entry in every row; returns
+    `(m, N, b, V)`, laid out as `(m, b, N, V)`.
+    """
+    import torch
+
+    m, num_heads, b, _ = q.shape
+    groups, span = num_heads // k.shape[1], k.shape[2]
+    out = q.new_empty((m, b, num_heads, v.shape[-1]))
+    step = max(1, _CAP_STEP_BYTES // (b * span * q.element_size()))
+    for head in range(num_heads):
+        for first in range(0, m, step):
+            blocks = slice(first, first + step)
+            logits = torch.matmul(
+                q[blocks, head] * (scale / cap),
+                k[blocks, head // groups].transpose(1, 2),
+            ).tanh_()
+            head_bias = bias[blocks if bias.shape[0] > 1 else slice(0, 1),
+                             head if bias.shape[1] > 1 else 0]
+            torch.add(head_bias, logits, alpha=cap, out=logits)
+            out[blocks, :, head] = torch.matmul(
+                torch.softmax(logits, -1), v[blocks, head // groups]
+            )
+    return out.transpose(1, 2)
 
 
 def _mask_parts(mask):
@@ -418,122 +465,6 @@ def _equal_sizes(q, k, v):
         return torch.cat([x, zeros], dim=-1)
 
     return pad(q), pad(k), pad(v)
-
-
-def decode_core(q, keys, values, mask, alibi=None, sinks=None,
-                soft_cap=None):
-    """A decoding step over the slots below its limit at once: torch's
-    fused kernel on strided views of the cache (`decode._native_step`).
-
-    The portable step reads the slots a block at a time with an online
-    softmax, and its per-block products dominate. Measured on the 2-core
-    CPU, 65,536 slots, one token, 8 heads of 64, eager, the attention
-    alone: the flash kernel over the first `p` slots took 0.15 / 2.7 / 19
-    ms at p = 1k / 16k / 64k, reading the keys and values where they lie.
-
-    Args:
-        q: `(B, K, G, T, H)`, already scaled.
-        keys: `(B, S, K, H)`, a view of the cache's slots.
-        values: `(B, S, K, V)`.
-        mask: boolean `(B|1, K|1, G|1, T, S)`, every row with at least one
-            key (`masks.open_empty_rows`).
-        alibi: `None`, or ALiBi's term broadcastable against `mask`.
-        sinks: `None`, or the `(K, G)` sink logits.
-        soft_cap: `None`, or `c > 0`.
-
-    Returns:
-        `(B, K, G, T, V)`.
-    """
-    import torch
-
-    batch, num_kv, groups, t_len, head = q.shape
-    value_head = values.shape[-1]
-    rows = q.reshape(batch, num_kv, groups * t_len, head)
-    k = keys.permute(0, 2, 1, 3).to(q.dtype)  # (B, K, S, H), strided
-    v = values.permute(0, 2, 1, 3).to(q.dtype)
-    term = q.new_zeros(()) if alibi is None else alibi.to(q.dtype)
-    bias = torch.where(mask, term, float("-inf"))  # (B|1, K|1, G|1, T, S)
-    lead, heads, span = bias.shape[0], bias.shape[1], bias.shape[-1]
-    bias = bias.expand(lead, heads, groups, t_len, span).reshape(
-        lead, heads, groups * t_len, span
-    )
-    sink_rows = None
-    if sinks is not None:
-        sink_rows = sinks.to(q.dtype).reshape(1, num_kv, groups, 1).expand(
-            batch, num_kv, groups, t_len
-        ).reshape(batch, num_kv, groups * t_len)
-    if soft_cap is not None:
-        out = _capped_attention().apply(
-            rows, k, v, bias, sink_rows, 1.0, soft_cap
-        )
-    elif sink_rows is not None:
-        rows, k, v = _equal_sizes(rows, k, v)  # the flash kernel's rule
-        out = _sink_attention().apply(rows, k, v, bias, sink_rows, 1.0)
-    elif batch == 1 and span >= _CHUNKED_FROM and not differentiated(
-        rows, k, v
-    ):
-        out = _chunked_step(rows, k, v, bias)
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            rows, k, v, attn_mask=bias, scale=1.0
-        )
-    return out[..., :value_head].reshape(
-        batch, num_kv, groups, t_len, value_head
-    )
-
-
-# A long step's slots in chunks of `_DECODE_CHUNK`, each chunk one batch
-# row of the flash kernel (`_chunked_step`), from `_CHUNKED_FROM` slots on.
-# Measured on the 2-core CPU (65,536-slot cache, one token, 8 heads of 64):
-# the attention alone at p = 16k took 4.2 ms in one call, 3.4 / 3.6 / 4.0
-# ms in chunks of 256 / 1,024 / 4,096, at p = 64k 17.3 against 13.3 / 13.9
-# / 14.9 ms; the whole eager step at p = 16k 8.1 against 8.3 ms, at p = 64k
-# 20.6 against 17.4 ms.
-_DECODE_CHUNK = 256
-_CHUNKED_FROM = 32768
-
-
-def _chunked_step(rows, k, v, bias):
-    """`scaled_dot_product_attention(rows, k, v, attn_mask=bias)` for one
-    batch row over many slots, the slots cut into chunks that are the flash
-    kernel's batch: each of its tasks reads a run of slots, not one head's
-    every slot, and the chunks' outputs merge by their log-sum-exp.
-
-    `rows` `(1, K, R, H)`, `k` `(1, K, S, H)` and `v` `(1, K, S, V)` (views
-    of the cache), `bias` `(1, K|1, R, S)` with a finite entry in every
-    row; returns `(1, K, R, V)`.
-    """
-    import torch
-
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    chunk = _DECODE_CHUNK
-    whole = k.shape[2] // chunk * chunk
-
-    def chunks(x):  # (1, K, S, X) -> (S // chunk, K, chunk, X), a view
-        return x[0, :, :whole].unflatten(1, (-1, chunk)).transpose(0, 1)
-
-    masks = [bias[0, :, :, :whole].unflatten(2, (-1, chunk)).permute(
-        2, 0, 1, 3
-    )]  # (S // chunk, K|1, R, chunk)
-    parts = [flash(
-        rows.expand(whole // chunk, *rows.shape[1:]), chunks(k), chunks(v),
-        0.0, False, attn_mask=masks[0], scale=1.0,
-    )]
-    if whole < k.shape[2]:
-        masks.append(bias[..., whole:])
-        parts.append(flash(
-            rows, k[:, :, whole:], v[:, :, whole:], 0.0, False,
-            attn_mask=masks[1], scale=1.0,
-        ))
-    out = torch.cat([part[0] for part in parts])  # (chunks, K, R, V)
-    # The kernel answers a row without a key in its chunk with 0 and a
-    # log-sum-exp of 0: such a chunk leaves the merge.
-    live = torch.cat([m.isfinite().any(-1) for m in masks])  # (.., K|1, R)
-    lse = torch.cat([part[1] for part in parts]).masked_fill(
-        ~live, float("-inf")
-    )  # (chunks, K, R)
-    weights = torch.exp(lse - lse.amax(0))[..., None]
-    return ((out * weights).sum(0) / weights.sum(0))[None]
 
 
 def rotate_half(x, cos, sin, rotary_dim):
