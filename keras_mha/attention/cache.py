@@ -224,15 +224,19 @@ def write_pair(cache, key, value, index, halves=True):
         below its position writes one run in place instead (`jax.jit`
         with the cache donated, 65,536 slots: 99 ms a step at p = 1k
         stacked). One traced token is written by a select over the
-        slots instead of a guarded `slice_update`: XLA fuses it with the
-        stack into one pass (a jitted tiny GPT-2 `generate`, timed
-        alternately: 1.11-1.16x keras-hub's tokens/s on JAX, 1.15x on
-        TensorFlow, against 0.98x with the guarded writes).
+        slots instead of a guarded `slice_update`, except on JAX: XLA
+        fuses the select with the stack into one pass. A jitted tiny GPT-2
+        `generate`, timed alternately, on the earlier machine: the select
+        1.11-1.16x keras-hub's tokens/s on JAX and 1.15x on TensorFlow,
+        against 0.98x with guarded writes; on the AVX-512 machine,
+        TensorFlow 1.15x against 1.02x, but JAX 0.95x against 1.00x (a
+        compiled loop of one layer's steps: 17.8 us a step against 16.9,
+        keras-hub's 16.6), so JAX takes the guarded writes.
     """
     key, value = ops.cast(key, cache.dtype), ops.cast(value, cache.dtype)
     if (
         halves and key.shape[1] == 1 and not isinstance(index, int)
-        and not _writes_in_place(cache)
+        and keras.backend.backend() != "jax" and not _writes_in_place(cache)
     ):
         # One token, traced: a select over the slots writes it, and writes
         # nothing for an index out of range, with no guard to build.
