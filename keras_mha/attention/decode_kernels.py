@@ -117,14 +117,12 @@ def decode_core(q, keys, values, mask, alibi=None, sinks=None,
             batch, num_kv, groups, t_len
         ).reshape(batch, num_kv, groups * t_len)
     if soft_cap is not None:
-        out = kernels._capped_attention().apply(
+        out = kernels.capped_attention().apply(
             rows, k, v, bias, sink_rows, 1.0, soft_cap
         )
     elif sink_rows is not None:
-        rows, k, v = kernels._equal_sizes(rows, k, v)  # the flash kernel's
-        out = kernels._sink_attention().apply(  # rule
-            rows, k, v, bias, sink_rows, 1.0
-        )
+        rows, k, v = kernels.equal_sizes(rows, k, v)  # the kernel's rule
+        out = kernels.sink_attention().apply(rows, k, v, bias, sink_rows, 1.0)
     elif (batch == 1 and span >= _CHUNKED_FROM
           and not kernels.differentiated(rows, k, v)):
         out = _chunked_step(rows, k, v, bias)

@@ -61,10 +61,10 @@ def banded_core(query, key, value, mask, scale, band, alibi=None,
     The mask becomes an additive bias (`0` or `-inf`), with ALiBi's exact
     `-m_h·|p - j|` added: the band's interior blocks share one mask, so
     one `(b, span)` block of bias serves them (`_mask_parts`). Sinks use
-    the flash kernel's log-sum-exp (`_sink_attention`). With a soft-cap,
+    the flash kernel's log-sum-exp (`sink_attention`). With a soft-cap,
     which the fused kernel cannot apply, the blocks run as torch matrix
     products a few query blocks at a time, with a backward that
-    recomputes the weights (`_capped_attention`).
+    recomputes the weights (`capped_attention`).
 
     Args:
         query: `(B, n·b, N, H)`, float32 or float64.
@@ -111,18 +111,18 @@ def banded_core(query, key, value, mask, scale, band, alibi=None,
     if sinks is not None:
         sink_rows = _sink_rows(sinks, q, sizes)  # (B·K, n, G·b)
     if soft_cap is None and sink_rows is not None:
-        q, k, v = _equal_sizes(q, k, v)  # the flash kernel's rule
+        q, k, v = equal_sizes(q, k, v)  # the flash kernel's rule
     outs = []
     for blocks, part_mask in _mask_parts(mask):
         bias = _bias(part_mask, slopes, sizes, before, q.dtype)
         args = [x[:, blocks] for x in (q, k, v)]
         rows = None if sink_rows is None else sink_rows[:, blocks]
         if soft_cap is not None:
-            outs.append(_capped_attention().apply(
+            outs.append(capped_attention().apply(
                 *args, bias, rows, scale, soft_cap
             ))
         elif rows is not None:
-            outs.append(_sink_attention().apply(*args, bias, rows, scale))
+            outs.append(sink_attention().apply(*args, bias, rows, scale))
         else:
             outs.append(torch.nn.functional.scaled_dot_product_attention(
                 *args, attn_mask=bias, scale=scale
@@ -147,7 +147,7 @@ def _inference_band(query, key, value, mask, scale, band, alibi, soft_cap):
     copies (queries, key and value frames, output): 25-30 ms on a 55 ms
     kernel. Grouped heads use `enable_gqa`. With a soft-cap the same views
     go through `_capped_blocks` (T = 16384, w = 128, forward: 67 ms against
-    129 for `_capped_attention` on the other layout, and 46 ms without a
+    129 for `capped_attention` on the other layout, and 46 ms without a
     cap). `None` when no block lies inside the keys (short sequences).
     """
     import torch
@@ -222,7 +222,7 @@ _CAP_STEP_BYTES = 2 << 20
 
 
 def _capped_blocks(q, k, v, bias, scale, cap):
-    """`_capped_attention`'s forward without sinks or a gradient, on the
+    """`capped_attention`'s forward without sinks or a gradient, on the
     views of `_inference_band`: one head at a time, its blocks are a batch
     of plain products whose operands are those views (rows `N·H` apart),
     so nothing is copied but a step's scores, which stay in the cache, and
@@ -319,7 +319,7 @@ _CAP_CHUNK = 4
 
 
 @functools.lru_cache(maxsize=1)
-def _capped_attention():
+def capped_attention():
     """`torch.autograd.Function` of the soft-capped blocks.
 
     Forward: per step of `_CAP_CHUNK` query blocks, the logits
@@ -396,7 +396,7 @@ def _capped_attention():
 
 
 @functools.lru_cache(maxsize=1)
-def _sink_attention():
+def sink_attention():
     """`torch.autograd.Function`: torch's CPU flash kernel with sinks.
 
     The kernel returns each row's log-sum-exp `lse`; a sink `s` in the
@@ -449,7 +449,7 @@ def _sink_rows(sinks, q, sizes):
     )
 
 
-def _equal_sizes(q, k, v):
+def equal_sizes(q, k, v):
     """Queries, keys and values zero-padded to one feature size, a multiple
     of 8: torch's CPU flash kernel takes only equal query and value sizes,
     and otherwise falls back to its math kernel (measured at T = 16384: 4x
