@@ -1,0 +1,175 @@
+"""Checks of constructor arguments, one validator per kind of value, and
+the shape and dtype of any array-like."""
+
+import numbers
+
+import keras
+import numpy as np
+
+def positive_int(name, value, allow_none=False):
+    """`value` as a Python int (NumPy integers too), or `None`."""
+    if value is None and allow_none:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value <= 0
+    ):
+        expected = "a positive integer" + (" or `None`" if allow_none else "")
+        raise ValueError(
+            f"Received an invalid value for argument `{name}`, expected "
+            f"{expected}. Received: {name}={value!r}"
+        )
+    return int(value)
+
+
+def positive_number(name, value, allow_none=False):
+    """`value` as a Python float `> 0` (finite), or `None`."""
+    if value is None and allow_none:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0.0 < float(value) < float("inf")
+    ):
+        expected = "a positive number" + (" or `None`" if allow_none else "")
+        raise ValueError(
+            f"Argument `{name}` must be {expected}. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def boolean(name, value):
+    """`value` as a Python bool; Python and NumPy booleans only."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"Argument `{name}` must be `True` or `False`. "
+            f"Received: {name}={value!r}"
+        )
+    return bool(value)
+
+
+def sliding_window(value):
+    """`None`, a positive int `w`, or a pair `(left, right)` of ints
+    `>= 0` (a tuple); a JSON list from a config is a pair too."""
+    if value is None:
+        return None
+    message = (
+        "`sliding_window` must be `None`, a positive integer or a pair "
+        "`(left, right)` of non-negative integers. "
+        f"Received: sliding_window={value!r}"
+    )
+
+    def integer(x, low):
+        return (
+            isinstance(x, numbers.Integral)
+            and not isinstance(x, bool)
+            and x >= low
+        )
+
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2 or not all(integer(side, 0) for side in value):
+            raise ValueError(message)
+        return (int(value[0]), int(value[1]))
+    if not integer(value, 1):
+        raise ValueError(message)
+    return int(value)
+
+
+def rotary_embedding(value):
+    """`None`, or a callable layer (`keras_mha.RotaryEmbedding`, or
+    keras-hub's, called as `layer(x, start_index=...)`)."""
+    if value is not None and not callable(value):
+        raise TypeError(
+            "Argument `rotary_embedding` must be `None` or a layer called "
+            "as `layer(x, start_index=...)`, such as "
+            "`keras_mha.RotaryEmbedding()`. "
+            f"Received: rotary_embedding={value!r}"
+        )
+    return value
+
+
+def dropout_rate(value):
+    """A dropout rate in `[0, 1)` as a Python float."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0.0 <= value < 1.0
+    ):
+        raise ValueError(
+            "Argument `dropout` must be a number in [0, 1). "
+            f"Received: dropout={value!r}"
+        )
+    return float(value)
+
+
+def flash_attention(value, dropout):
+    """`None`, `True` or `False`; `True` only without dropout."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(
+            "Argument `flash_attention` must be `None`, `True` or `False`. "
+            f"Received: flash_attention={value!r}"
+        )
+    if value and dropout > 0.0:
+        raise ValueError(
+            "Dropout is not supported when flash attention is enabled. "
+            "Please set dropout to 0.0 to use flash attention. "
+            f"Received: flash_attention=True, dropout={dropout}"
+        )
+    return value
+
+
+def output_shape(value):
+    """`None`, or a tuple of positive ints from an int or a sequence."""
+    if value is None:
+        return None
+    shape = value
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0
+        for d in shape
+    ):
+        raise ValueError(
+            f"Invalid `output_shape`: {value!r}. It must be a positive "
+            "integer or a tuple of positive integers. "
+            f"Received: output_shape={value!r}"
+        )
+    return tuple(int(d) for d in shape) or None
+
+
+def attention_axes(value):
+    """`None`, or a non-empty tuple of ints from an int or a sequence."""
+    if value is None:
+        return None
+    axes = value
+    if isinstance(axes, int) and not isinstance(axes, bool):
+        axes = (axes,)
+    if (
+        not isinstance(axes, (tuple, list))
+        or not axes
+        or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes)
+    ):
+        raise ValueError(
+            "Argument `attention_axes` must be an int or a non-empty tuple "
+            f"of ints. Received: attention_axes={value!r}"
+        )
+    return tuple(axes)
+
+
+def shape_and_dtype(x):
+    """`(shape, dtype)` of a tensor, `KerasTensor`, array or nested list."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    try:
+        dtype = keras.backend.standardize_dtype(x.dtype)
+    except ValueError:  # not a dtype Keras has (strings, objects)
+        dtype = str(x.dtype)
+    return tuple(x.shape), dtype
+
+
+def dims_agree(a, b):
+    """Equal, where both are known."""
+    return len(a) == len(b) and all(
+        x is None or y is None or x == y for x, y in zip(a, b)
+    )

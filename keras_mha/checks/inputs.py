@@ -1,0 +1,284 @@
+"""Checks of a call's tensors from their shapes and dtypes."""
+
+import keras
+import numpy as np
+
+from keras_mha.axes import AxesLayout
+from keras_mha.checks.arguments import dims_agree
+from keras_mha.checks.arguments import shape_and_dtype
+from keras_mha.checks.cache import cache_call
+
+def mask_argument(name, value, targets, broadcast=True):
+    """Checks that a mask has a mask's dtype and a shape it may have.
+
+    Boolean, integer or float, as Keras takes them: nonzero = may attend.
+
+    Args:
+        name: the argument's name, for the message.
+        value: the mask, in any form `shape_and_dtype` takes.
+        targets: `{rank: (description, shape)}`; `None` sizes are unknown.
+        broadcast: whether sizes of 1 broadcast.
+    """
+    shape, dtype = shape_and_dtype(value)
+    if dtype != "bool" and "int" not in dtype and "float" not in dtype:
+        raise TypeError(
+            f"`{name}` must be boolean, integer or float (nonzero = may "
+            f"attend). Received: {name}.dtype={dtype}"
+        )
+    description, target = targets.get(len(shape), (None, None))
+    if target is None or not all(
+        got is None or want is None or got == want or (broadcast and got == 1)
+        for got, want in zip(shape, target)
+    ):
+        expected = " or ".join(f"{d} = {t}" for d, t in targets.values())
+        raise ValueError(
+            f"`{name}` must {'broadcast to' if broadcast else 'have shape'} "
+            f"{expected}. Received: {name}.shape={shape}"
+        )
+
+
+def input_shapes(query_shape, value_shape, key_shape, axes):
+    """Checks the shapes of `query`, `value` and `key` against each other.
+
+    Returns:
+        The `AxesLayout` of the inputs.
+    """
+    if not dims_agree(value_shape[1:-1], key_shape[1:-1]):
+        raise ValueError(
+            "All dimensions of `value` and `key`, except the last one, "
+            f"must be equal. Received: value.shape={value_shape} and "
+            f"key.shape={key_shape}"
+        )
+    for name, shape in (
+        ("query", query_shape),
+        ("value", value_shape),
+        ("key", key_shape),
+    ):
+        if len(shape) < 3:
+            raise ValueError(
+                f"`{name}` must have rank >= 3 (batch, sequence, "
+                f"features). Received: {name}.shape={shape}"
+            )
+    if not len(query_shape) == len(value_shape) == len(key_shape):
+        raise ValueError(
+            "`query`, `value` and `key` must have the same rank. "
+            f"Received: query.shape={query_shape}, "
+            f"value.shape={value_shape}, key.shape={key_shape}"
+        )
+    if not dims_agree(value_shape[:1], key_shape[:1]):
+        raise ValueError(
+            "All dimensions of `value` and `key`, except the last one, "
+            f"must be equal. Received: value.shape={value_shape} and "
+            f"key.shape={key_shape}"
+        )
+    for name, shape in (("query", query_shape), ("key", key_shape)):
+        if shape[-1] is None:
+            raise ValueError(
+                f"The last dimension of `{name}` must be defined. "
+                f"Received: {name}.shape={shape}"
+            )
+    # Validates the axes too. `value` is compared with `query`: it is
+    # always given, and `key` agrees with it.
+    layout = AxesLayout(len(query_shape), axes)
+    query_batch = tuple(query_shape[a] for a in [0, *layout.batch_axes])
+    value_batch = tuple(value_shape[a] for a in [0, *layout.batch_axes])
+    if not dims_agree(query_batch, value_batch):
+        raise ValueError(
+            "`query` and `value` must agree on the batch and "
+            "non-attention axes. Received: "
+            f"query.shape={query_shape}, value.shape={value_shape}, "
+            f"attention_axes={axes}"
+        )
+    if any(value_shape[a] == 0 for a in layout.attention_axes):
+        raise ValueError(
+            "`value` must have at least one position to attend to. "
+            f"Received: value.shape={value_shape}"
+        )
+    return layout
+
+
+def attention_bias(value, query_shape, key_shape, num_heads):
+    """Checks a float `attention_bias` broadcastable to `(B, N, T, S)`."""
+    shape, dtype = shape_and_dtype(value)
+    if "float" not in dtype and "int" not in dtype:
+        raise TypeError(
+            "`attention_bias` must be a float tensor added to the logits "
+            "(pass a boolean mask as `attention_mask`). "
+            f"Received: attention_bias.dtype={dtype}"
+        )
+    target = (query_shape[0], num_heads, query_shape[1], key_shape[1])
+    padded = (1,) * (4 - len(shape)) + shape
+    if len(shape) > 4 or not all(
+        d in (1, None) or t is None or d == t for d, t in zip(padded, target)
+    ):
+        raise ValueError(
+            "`attention_bias` must broadcast to (B, N, T, S) = "
+            f"{target}. Received: attention_bias.shape={shape}"
+        )
+
+
+def segment_ids(name, value, expected):
+    """Checks integer segment ids of shape `expected` (`(B, T)`)."""
+    shape, dtype = shape_and_dtype(value)
+    if "int" not in dtype:
+        raise TypeError(
+            f"`{name}` must be an integer tensor of segment ids. "
+            f"Received: {name}.dtype={dtype}"
+        )
+    if len(shape) != 2 or not dims_agree(shape, expected):
+        raise ValueError(
+            f"`{name}` must have shape (B, length) = {expected}. "
+            f"Received: {name}.shape={shape}"
+        )
+
+
+def feature_arguments(
+    layer, layout, shapes, cache, attention_bias_, segment_ids_,
+    key_segment_ids,
+):
+    """Checks the call arguments of the features of current models."""
+    if layout.multi_axis and (
+        layer._rotary_embedding is not None or layer._use_alibi
+    ):
+        raise ValueError(
+            "`rotary_embedding` and `use_alibi` need a single attention "
+            f"axis. Received: attention_axes={layer._attention_axes}"
+        )
+    given = {
+        "attention_bias": attention_bias_,
+        "segment_ids": segment_ids_,
+        "key_segment_ids": key_segment_ids,
+    }
+    given = {name: x for name, x in given.items() if x is not None}
+    if not given:
+        return
+    names = ", ".join(f"`{name}`" for name in given)
+    if not layout.identity:
+        raise ValueError(
+            f"{names} need inputs of rank 3 (batch, sequence, features). "
+            f"Received: query.shape={shapes['query']}"
+        )
+    if cache is not None:
+        raise ValueError(
+            f"{names} are not supported with a cache: decoding steps read "
+            "the cache's own padding flags and positions. Received: "
+            f"{', '.join(f'{name}=a tensor' for name in given)}, "
+            "cache=a cache"
+        )
+    query_shape, key_shape = shapes["query"], shapes["key"]
+    if attention_bias_ is not None:
+        attention_bias(attention_bias_, query_shape, key_shape, layer._num_heads)
+    if key_segment_ids is not None and segment_ids_ is None:
+        raise ValueError(
+            "`key_segment_ids` needs `segment_ids` (the queries' ids). "
+            "Received: segment_ids=None"
+        )
+    if segment_ids_ is not None:
+        segment_ids("segment_ids", segment_ids_, query_shape[:2])
+        if key_segment_ids is not None:
+            segment_ids("key_segment_ids", key_segment_ids, key_shape[:2])
+        elif not dims_agree(query_shape[1:2], key_shape[1:2]):
+            raise ValueError(
+                "`segment_ids` alone means the keys share the queries' ids; "
+                "for keys of another length pass `key_segment_ids`. "
+                f"Received: query.shape={query_shape}, "
+                f"key.shape={key_shape}"
+            )
+
+
+def built_inputs(layer, query, value, key=None):
+    """`(shapes, layout)` of a call's inputs, checked against each other
+    and, once `layer` is built, against its weights."""
+    key = value if key is None else key
+    shapes = {
+        "query": tuple(query.shape),
+        "value": tuple(value.shape),
+        "key": tuple(key.shape),
+    }
+    layout = input_shapes(
+        shapes["query"], shapes["value"], shapes["key"],
+        layer._attention_axes,
+    )
+    if layer.built:  # inputs must fit the weights
+        for name, shape in shapes.items():
+            features = layer._feature_sizes[name]
+            if len(shape) != layer._layout.rank or shape[-1] not in (
+                None,
+                features,
+            ):
+                raise ValueError(
+                    f"`{name}` must have rank {layer._layout.rank} and "
+                    f"{features} features, as when the layer was built. "
+                    f"Received: {name}.shape={shape}"
+                )
+    return shapes, layout
+
+
+def scores_and_flash(layer, return_attention_scores):
+    """Keras's error for scores asked of flash attention."""
+    if return_attention_scores and layer._flash_attention:
+        raise ValueError(
+            "Returning attention scores is not supported when flash "
+            "attention is enabled. Please disable flash attention to "
+            "access attention scores. Received: flash_attention=True, "
+            "return_attention_scores=True"
+        )
+
+
+def call_arguments(
+    layer,
+    query,
+    value,
+    key,
+    query_mask,
+    value_mask,
+    key_mask,
+    attention_mask,
+    return_attention_scores,
+    use_causal_mask,
+    cache,
+    cache_update_index,
+    attention_bias=None,
+    segment_ids=None,
+    key_segment_ids=None,
+):
+    """Checks a call of `layer` from shapes and dtypes alone.
+
+    Runs in `call` and in `compute_output_spec`, so bad inputs fail
+    while a Functional model is built, and never as a backend error.
+    """
+    key = value if key is None else key
+    shapes, layout = built_inputs(layer, query, value, key)
+    for name, mask, shape in (
+        ("query_mask", query_mask, shapes["query"]),
+        ("value_mask", value_mask, shapes["value"]),
+        ("key_mask", key_mask, shapes["key"]),
+    ):
+        if mask is not None:
+            target = {len(shape) - 1: ("(B, ...)", shape[:-1])}
+            mask_argument(name, mask, target, broadcast=layout.identity)
+    if attention_mask is not None:
+        mask_argument(
+            "attention_mask",
+            attention_mask,
+            layout.attention_mask_targets(
+                shapes["query"], shapes["key"], layer._num_heads
+            ),
+        )
+    feature_arguments(
+        layer, layout, shapes, cache, attention_bias, segment_ids,
+        key_segment_ids,
+    )
+    if use_causal_mask and layout.multi_axis:
+        raise ValueError(
+            "`use_causal_mask=True` needs a single attention axis. "
+            f"Received: attention_axes={layer._attention_axes}"
+        )
+    scores_and_flash(layer, return_attention_scores)
+    if cache is not None or cache_update_index is not None:
+        cache_call(
+            query, value, key, cache, cache_update_index,
+            use_causal_mask, attention_mask, layer._num_key_value_heads,
+            layer._key_dim, layer._value_dim,
+            layer._rolling_slots if layer.rolling_cache else None,
+        )
