@@ -25,7 +25,8 @@ class CachedMultiHeadAttention(MultiHeadAttention):
     """`MultiHeadAttention` with keras-hub's key/value cache.
 
     A drop-in for `keras_hub.layers.CachedMultiHeadAttention` (keras-hub
-    0.32): same call, same cache, same results, and
+    0.32; registered as `keras_mha>CachedMultiHeadAttention`): same call,
+    same cache, same results, and
     `set_weights(keras_hub_layer.get_weights())` works both ways. The
     constructor, weights and config are those of `MultiHeadAttention`, so
     grouped heads, `sliding_window`, `rotary_embedding`, `scale`,
@@ -67,11 +68,15 @@ class CachedMultiHeadAttention(MultiHeadAttention):
       goes into `attention_mask` (its `TransformerDecoder` merges them).
     - a float `attention_mask` means nonzero = may attend (DESIGN.md);
       Keras's explicit path keeps values above 0.5.
+    - an out-of-range `cache_update_index` is a `ValueError` in every eager
+      call, a tensor one too, and writes nothing when traced; keras-hub's
+      writes the clamped last slot on JAX and TensorFlow and raises torch's
+      `IndexError`.
     - keras-hub's vLLM paged-attention route (TPU serving) is not provided.
 
-    Args:
-        As for `MultiHeadAttention`. A cache stores keys and values in one
-        tensor, so decoding with a cache needs `value_dim == key_dim`.
+    The constructor's arguments are `MultiHeadAttention`'s. A cache stores
+    keys and values in one tensor, so decoding with a cache needs
+    `value_dim == key_dim`.
 
     Call arguments:
         query: `(B, T, E)` (or `(B, ..., E)` with `attention_axes`, without
@@ -92,7 +97,7 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         training: whether dropout is applied.
 
     Returns:
-        As keras-hub's layer: `output` `(B, T, E)` (or `output_shape`);
+        As keras-hub's layer does, `output` `(B, T, E)` (or `output_shape`);
         `(output, scores)` with `return_attention_scores`;
         `(output, cache)` with a cache; `(output, scores, cache)` with both.
         Scores are `(B, N, T, S)`; the cache is the updated one (the one

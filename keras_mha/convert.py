@@ -215,7 +215,7 @@ def torch_mask_to_keras(key_padding_mask=None, attn_mask=None, num_heads=None):
         num_heads: `N`; needed for a 3-D `attn_mask`.
 
     Returns:
-        A NumPy boolean array for our layer's `attention_mask`: `(T, S)`,
+        A NumPy boolean array for our layer's `attention_mask`, `(T, S)`,
         `(B, 1, S)`, `(B, T, S)` or `(B, N, T, S)`, whichever the inputs
         need; `None` if both are `None`.
 

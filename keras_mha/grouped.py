@@ -20,18 +20,24 @@ class GroupedQueryAttention(MultiHeadAttention):
     """Grouped-query attention, a drop-in for `keras.layers.GroupQueryAttention`.
 
     `MultiHeadAttention` with `num_key_value_heads` under the constructor and
-    config of Keras's layer; weights copy both ways.
+    config of Keras's layer, whose weights copy both ways
+    (`set_weights(keras_layer.get_weights())`). Registered as
+    `keras_mha>GroupedQueryAttention`. `num_heads`, `key_dim`, `value_dim`,
+    `output_shape` and `attention_axes` are refused (`ValueError`): Keras's
+    config has no place for them. The properties `head_dim` and
+    `num_query_heads` come with it; the call, its results, `init_cache` and
+    `attention_path` are `MultiHeadAttention`'s, for rank-3 inputs.
 
     Args:
         head_dim: `H = V`, the size of each head.
         num_query_heads: `N`.
         num_key_value_heads: `K`; must divide `num_query_heads`.
-        dropout, use_bias, sliding_window, flash_attention,
-        kernel_initializer, bias_initializer, kernel_regularizer,
-        bias_regularizer, activity_regularizer, kernel_constraint,
-        bias_constraint, use_gate, seed: as for `MultiHeadAttention`.
-
-    Call arguments, returns: as for `MultiHeadAttention`, rank-3 inputs.
+        dropout, use_bias, sliding_window, flash_attention: as for
+            `MultiHeadAttention`, and so are the initializers, the
+            regularizers, the constraints, `use_gate` and `seed`.
+        **kwargs: base layer arguments, and the features of current
+            models (`rotary_embedding`, `scale`, `attn_logits_soft_cap`,
+            `use_sinks`, `use_alibi`), as for `MultiHeadAttention`.
     """
 
     def __init__(

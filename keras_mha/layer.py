@@ -29,76 +29,107 @@ class MultiHeadAttention(keras.layers.Layer):
 
     Projects `query`, `key` and `value` into heads, attends, concatenates the
     heads and projects them back. Arguments, weights and results are those of
-    Keras's layer; where they differ it is on purpose (see the README):
-    rows with nothing to attend to give zeros on every path, half-precision
-    softmax never overflows, input masks survive the call.
+    Keras's layer (Keras 3.15); where they differ it is on purpose (the docs'
+    "Differences from Keras"): rows with nothing to attend to give zeros on
+    every path, half-precision softmax never overflows, input masks survive
+    the call. Registered as `keras_mha>MultiHeadAttention`: a model saved
+    under one backend loads under every other.
+
+    Weights: the `EinsumDense` sublayers `query`, `key`, (`gate`), `value`
+    and `attention_output`, Keras's names, shapes and order, then `sinks`;
+    `set_weights(keras_layer.get_weights())` works both ways. Read-only
+    properties give the constructor's values resolved (`value_dim`,
+    `num_key_value_heads` and `scale` filled in) and the projections
+    (`query_dense`, `key_dense`, `value_dense`, `output_dense`).
 
     Args:
         num_heads: `N`, the number of query heads.
         key_dim: `H`, the size of each query and key head.
         value_dim: `V`, the size of each value head; `key_dim` if `None`.
-        dropout: dropout rate on the attention weights, in `[0, 1)`.
+        dropout: dropout rate on the attention weights, in `[0, 1)`,
+            applied with `training=True`.
         use_bias: whether the projections have biases.
-        output_shape: the output's trailing shape (int or tuple); the query's
-            feature size `E` if `None`.
-        attention_axes: axes of the input (not batch, not features) attended
-            over; all of them if `None`.
-        sliding_window: `None`, `w` or `(left, right)`: with `w`, query
+        output_shape: the output's trailing shape, an int or a tuple of
+            ints; the query's feature size `E` if `None`.
+        attention_axes: an int or a tuple of ints: the axes attended over
+            (not batch, not features); all of them if `None`.
+        sliding_window: `None`, `w` or `(left, right)`. With `w`, query
             position `p` sees keys `j` with `|p - j| < w` (with
             `use_causal_mask`, the `w` keys up to and including `p`); with
-            `(left, right)`, keys `p - left <= j <= p + right` (causal
-            sets `right` to 0).
+            `(left, right)`, keys `p - left <= j <= p + right`, either side
+            may be 0 (causal sets `right` to 0). Hugging Face's
+            `sliding_window=W` is the causal `w = W`. One attention axis.
         flash_attention: passed to `keras.ops.dot_product_attention`:
-            `None` (auto), `True` (require) or `False` (never).
-        kernel_initializer, bias_initializer, kernel_regularizer,
-        bias_regularizer, activity_regularizer, kernel_constraint,
-        bias_constraint: as for `keras.layers.EinsumDense`.
+            `None` (auto), `True` (require: no dropout, no returned
+            scores) or `False` (never).
+        kernel_initializer: for every projection kernel.
+        bias_initializer: for every projection bias.
+        kernel_regularizer, bias_regularizer, activity_regularizer: as for
+            `keras.layers.EinsumDense`, passed to every projection.
+        kernel_constraint, bias_constraint: likewise.
         use_gate: whether a sigmoid gate computed from the query multiplies
             the heads before the output projection.
         seed: seed of the dropout.
-        num_key_value_heads: `K`, the number of key/value heads (grouped-query
-            attention); must divide `num_heads`. `num_heads` if `None`.
+        num_key_value_heads: `K`, the key/value heads of grouped-query
+            attention: query head `n` reads head `n // (N // K)`. Must
+            divide `num_heads`; `num_heads` if `None`.
         rotary_embedding: `None`, or a layer applied to the projected
             queries and keys `(B, L, heads, H)` as `layer(x,
             start_index=...)`: `keras_mha.RotaryEmbedding`, or keras-hub's.
             Queries are rotated at `offset + t`, keys at their own
             positions; a cache stores rotated keys.
-        scale: the logit scale; `1 / sqrt(key_dim)` if `None`.
+        scale: the logit scale; `1 / sqrt(key_dim)` if `None` (Gemma 2:
+            `query_pre_attn_scalar ** -0.5`).
         attn_logits_soft_cap: `None`, or `c > 0`: logits become
             `c·tanh(logits / c)` after scaling (Gemma 2).
         use_sinks: adds a trainable weight `sinks` `(num_heads,)`, zeros at
             first: one logit per head that joins each row's softmax
             denominator and is then dropped (gpt-oss).
-        use_alibi: adds ALiBi's `-m_h·|p - j|` to the logits, with Press et
-            al.'s slopes (BLOOM's rule when `num_heads` is not a power of
+        use_alibi: adds ALiBi's `-m_h·|p - j|` to the logits, slopes
+            `m_h = 2^(-8(h+1)/N)` (BLOOM's rule when `N` is not a power of
             two).
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
-        query: `(B, T, E)`, or `(B, ..., E)` with `attention_axes`.
-        value: `(B, S, E_v)`.
+        query: `(B, T, E)`; of rank > 3, `(B, ..., E)`, attended over
+            `attention_axes`.
+        value: `(B, S, E_v)`, of the query's rank.
         key: `(B, S, E_k)`; `value` if `None`.
-        query_mask: `(B, T)`, from the query's Keras mask if not given.
-        value_mask: `(B, S)`, from the value's Keras mask if not given.
-        key_mask: `(B, S)`, from the key's Keras mask if not given.
-        attention_mask: boolean, integer or float, nonzero = may attend, of
-            shape `(T, S)`, `(1, T, S)`, `(B, 1, S)`, `(B, T, S)` or
-            `(B, N, T, S)`.
+        query_mask: `(B, T)`, `True` = a real query; the query's Keras mask
+            (e.g. from `Embedding(mask_zero=True)`) if not given.
+        value_mask: `(B, S)`, `True` = a real key; the value's Keras mask if
+            not given.
+        key_mask: `(B, S)`; the key's Keras mask if not given. Every mask
+            is combined with AND.
+        attention_mask: boolean, integer or float, nonzero = may attend,
+            broadcastable to `(B, T, S)` or `(B, N, T, S)`, also `(T, S)`;
+            of rank > 3, Keras's `(B, <other axes>, <query attention
+            axes>, <key attention axes>)`.
         return_attention_scores: also return the attention weights.
         training: whether dropout is applied.
-        use_causal_mask: key `j` is visible from query `t` only if `j <= t`.
-        cache, cache_update_index: decoding (see `init_cache`).
+        use_causal_mask: key `j` is visible from query position `p` only if
+            `j <= p`, with `p = t`, or `cache_update_index + t` with a cache.
+        cache: decode with the `(keys, values, valid)` cache of
+            `init_cache` (or of the previous call): rank-3 inputs,
+            `use_causal_mask=True`, no `attention_mask`, `attention_bias` or
+            `segment_ids`; `value` and `key` hold the new tokens.
+        cache_update_index: with `cache`, the position of the first new
+            token: a Python int or a scalar integer tensor.
         attention_bias: `None`, or a float tensor broadcastable to
-            `(B, N, T, S)`, added to the logits.
+            `(B, N, T, S)`, added to the logits (T5's relative bias).
         segment_ids: `None`, or integer `(B, T)`: a query attends only to
             keys of its own segment (packed sequences). The keys share the
-            queries' ids unless `key_segment_ids` `(B, S)` is given.
-        key_segment_ids: the keys' segment ids, for cross-attention.
+            queries' ids unless `key_segment_ids` is given.
+        key_segment_ids: the keys' ids `(B, S)`, for cross-attention.
 
     Returns:
-        `output` of shape `(B, T, E)` (or `output_shape`), or
-        `(output, scores)` with scores `(B, N, T, S)` when
-        `return_attention_scores=True`.
+        `output`, of the query's shape (the last axis `output_shape` if
+        given), carrying the query's Keras mask. With `return_attention_scores`,
+        `(output, scores)`, scores `(B, N, T, S)` in the compute dtype (of
+        rank > 3, `(B, <other axes>, N, <query attention axes>, <key
+        attention axes>)`). With `cache`, `(output, new_cache)`, or
+        `(output, scores, new_cache)` with scores `(B, N, T, L + T)`: the
+        `L` cached slots, then the new tokens.
     """
 
     def __init__(
@@ -429,7 +460,8 @@ class MultiHeadAttention(keras.layers.Layer):
         attention_bias=False,
         segment_ids=False,
     ):
-        """The attention path a call would run: one of `dispatch.PATHS`.
+        """The path a call would run on the active backend: `"fused"`,
+        `"explicit"`, `"banded"`, `"blocked"` or `"triangular"`.
 
         The layer describes the call as `call` does and asks the dispatch
         rule, without computing anything (the layer need not be built).
@@ -459,7 +491,7 @@ class MultiHeadAttention(keras.layers.Layer):
 
     @property
     def rolling_cache(self):
-        """Whether the cache is a rolling buffer of `sliding_window` slots."""
+        """Whether `init_cache` makes a rolling buffer of `left + 1` slots."""
         return self._sliding_window is not None
 
     @property

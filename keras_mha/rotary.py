@@ -85,7 +85,7 @@ class RotaryEmbedding(keras.layers.Layer):
             positions; overrides `start_index`.
 
     Returns:
-        The rotated `inputs`: same shape, same dtype.
+        The rotated `inputs`, of the same shape and dtype.
 
     Example:
 
