@@ -1,10 +1,13 @@
-"""The `keras-mha` command line: `demo`, `info`, `compare`, `bench`, `test`.
+"""The `keras-mha` command line: `demo`, `info`, `compare`, `test`.
 
 This module parses arguments and turns every failure into one line on stderr
 and an exit code; the work of each subcommand lives in its own module
-(`demo.py`, `info.py`, `compare.py`, `bench/`, `testrun.py`), imported only
-when that subcommand runs. What they share is in `common.py`; they import
-it, never this module. The library never imports the command line.
+(`demo.py`, `info.py`, `compare.py`, `bench.py`, `testrun.py`), imported
+only when that subcommand runs, so that `--help` and building the parser
+import neither Keras nor a backend. What they share is in `common.py`; they
+import it, never this module. The library never imports the command line,
+and neither imports the development benchmarks (`benchmarks/`, outside the
+package).
 
 A Keras process has exactly one backend, fixed when Keras is imported, so
 everything that runs on a chosen backend runs in a child process with
@@ -23,8 +26,11 @@ import sys
 from keras_mha.cli.common import BACKENDS
 from keras_mha.cli.common import PROG
 from keras_mha.cli.common import CLIError
+from keras_mha.cli.common import Parser
 from keras_mha.cli.common import backend_env
 from keras_mha.cli.common import check_backend
+from keras_mha.cli.common import guarded
+from keras_mha.cli.common import import_keras
 from keras_mha.cli.common import parse_backends
 from keras_mha.cli.common import positive_int
 
@@ -42,13 +48,6 @@ def run_child(backend, args):
 # -------------------------------------------------------------------- parser
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, not usage + error."""
-
-    def error(self, message):
-        raise CLIError(f"{message} (see {self.prog} --help)")
-
-
 def _add_backend_flag(parser, what):
     parser.add_argument(
         "--backend",
@@ -59,7 +58,7 @@ def _add_backend_flag(parser, what):
 
 
 def build_parser():
-    parser = _Parser(
+    parser = Parser(
         prog=PROG,
         description="Multi-head attention for Keras 3: demo, environment "
         "info, cross-backend comparison and the test suite on every backend.",
@@ -139,10 +138,6 @@ def build_parser():
     compare.add_argument("--worker", action="store_true",
                          help=argparse.SUPPRESS)
 
-    from keras_mha.cli.bench import command as bench
-
-    bench.add_parser(commands)  # its parser only; the work is imported later
-
     test = commands.add_parser(
         "test",
         allow_abbrev=False,  # `--back` is someone's pytest flag, not ours
@@ -189,7 +184,7 @@ def _parse(argv):
     args.pytest_args = unknown + passthrough
     if args.command is None:
         raise CLIError(f"no command given; choose from demo, info, compare, "
-                       f"bench, test (see {PROG} --help)")
+                       f"test (see {PROG} --help)")
     return args
 
 
@@ -198,6 +193,7 @@ def _dispatch(args):
         if args.backend is not None:
             plot = [] if args.plot is None else ["--plot", args.plot]
             return run_child(args.backend, ["demo", *plot])
+        import_keras()
         from keras_mha.cli import demo
 
         return demo.run(plot=args.plot)
@@ -206,21 +202,19 @@ def _dispatch(args):
 
         if args.backend is not None:
             return run_child(args.backend, ["info", *info.config_args(args)])
+        import_keras()
         return info.run(args)
     if args.command == "compare":
         from keras_mha.cli import compare
 
         if args.worker:
+            import_keras()
             return compare.worker(args.matrix)
         return compare.run(
             backends=parse_backends(args.backends),
             matrix=args.matrix,
             json_path=args.json,
         )
-    if args.command == "bench":
-        from keras_mha.cli.bench import command as bench
-
-        return bench.run(args)
     if args.command == "test":
         from keras_mha.cli import testrun
 
@@ -235,24 +229,4 @@ def _dispatch(args):
 def main(argv=None):
     """Entry point of `keras-mha` and `python -m keras_mha`."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    for stream in (sys.stdout, sys.stderr):
-        # Token names are Cyrillic; never crash on a narrow terminal encoding.
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
-    try:
-        return _dispatch(_parse(argv)) or 0
-    except CLIError as error:
-        _print_error(error)
-        return error.exit_code
-    except KeyboardInterrupt:
-        _print_error("interrupted")
-        return 130
-    except Exception as error:  # the promise: one line, never a traceback
-        message = str(error).strip().splitlines()
-        detail = f": {message[0]}" if message else ""
-        _print_error(f"{type(error).__name__}{detail}")
-        return 1
-
-
-def _print_error(message):
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return guarded(lambda: _dispatch(_parse(argv)))

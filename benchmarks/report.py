@@ -1,11 +1,11 @@
-"""Results of `keras-mha bench` as cells, targets, a table, JSON and a plot."""
+"""Results of `python -m benchmarks` as cells, targets, a table, JSON and a plot."""
 
 import json
 import math
 import os
 import re
 
-from keras_mha.cli.bench import plan
+from benchmarks import plan
 from keras_mha.cli.common import CLIError
 
 MIB = 2**20
@@ -1459,7 +1459,7 @@ def write_plot(path, document):
     if legend:
         figure.legend(legend.values(), legend.keys(), loc="outside lower "
                       "center", ncol=min(len(legend), 5), fontsize=8)
-    figure.suptitle("keras-mha bench: {mask}, B={batch}, N={num_heads}, "
+    figure.suptitle("benchmarks: {mask}, B={batch}, N={num_heads}, "
                     "H={key_dim}; solid forward, dashed forward+backward"
                     .format(mask="causal" if causal else "bidirectional",
                             **document["config"]), fontsize=11)
