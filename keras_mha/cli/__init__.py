@@ -1,4 +1,4 @@
-"""The `keras-mha` command line: `demo`, `info`, `compare`, `test`.
+"""The `keras-mha` command line: `demo`, `info`, `compare`, `bench`, `test`.
 
 This module parses arguments and turns every failure into one line on stderr
 and an exit code; the work of each subcommand lives in its own module
@@ -61,7 +61,8 @@ def build_parser():
     parser = Parser(
         prog=PROG,
         description="Multi-head attention for Keras 3: demo, environment "
-        "info, cross-backend comparison and the test suite on every backend.",
+        "info, cross-backend comparison, a benchmark against Keras's layer "
+        "on your shapes, and the test suite on every backend.",
     )
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {_version()}"
@@ -138,14 +139,49 @@ def build_parser():
     compare.add_argument("--worker", action="store_true",
                          help=argparse.SUPPRESS)
 
+    bench = commands.add_parser(
+        "bench",
+        help="time Keras's MultiHeadAttention and ours on your shapes",
+        description="Times keras.layers.MultiHeadAttention and "
+        "keras_mha.MultiHeadAttention (same configuration and weights) on "
+        "self-attention inputs (B, T, N*H) on the active backend's device, "
+        "compiled as Model.compile's default runs a step, the two called "
+        "alternately so that their ratio is measured over the same seconds. "
+        "Prints the median time per call of each, the ratio and the path "
+        "our layer takes.",
+    )
+    _add_backend_flag(bench, "the benchmark")
+    bench.add_argument("--lengths", metavar="T,T",
+                       help="sequence lengths, e.g. 512,1k,4k (default 1k,4k)")
+    bench.add_argument("--window", metavar="W,W",
+                       help="sliding windows, 'none' for none, e.g. none,128 "
+                       "(default none)")
+    bench.add_argument("--batch", type=positive_int, metavar="B",
+                       help="batch size (default 1)")
+    bench.add_argument("--heads", type=positive_int, metavar="N",
+                       help="number of heads (default 8)")
+    bench.add_argument("--key-dim", type=positive_int, metavar="H",
+                       help="size of each head (default 64)")
+    bench.add_argument("--causal", action="store_true",
+                       help="use_causal_mask=True")
+    bench.add_argument("--backward", action="store_true",
+                       help="time forward+backward: the gradients with "
+                       "respect to the input and the weights")
+    bench.add_argument("--repeats", type=positive_int, metavar="R",
+                       help="timed calls of each layer (default 10)")
+    bench.add_argument("--plot", metavar="FILE.png",
+                       help="also draw time per call against T (needs "
+                       "matplotlib)")
+
     test = commands.add_parser(
         "test",
         allow_abbrev=False,  # `--back` is someone's pytest flag, not ours
-        help="run tests/ on each backend",
-        description="Runs `pytest tests` of the current directory on each "
-        "backend in its own process (KERAS_BACKEND=<backend>, "
-        "KERAS_HOME=configs/<backend>). Other arguments, or everything after "
-        "`--`, go to pytest.",
+        help="run the project's tests on each backend",
+        description="Runs `pytest tests benchmarks/tests` of the current "
+        "directory (a source checkout) on each backend in its own process "
+        "(KERAS_BACKEND=<backend>, KERAS_HOME=configs/<backend>). Other "
+        "arguments, or everything after `--`, go to pytest; test files "
+        "named there replace the two folders.",
     )
     test.add_argument("--backends", metavar="A,B",
                       help="comma-separated (default: tensorflow,jax,torch,"
@@ -184,7 +220,7 @@ def _parse(argv):
     args.pytest_args = unknown + passthrough
     if args.command is None:
         raise CLIError(f"no command given; choose from demo, info, compare, "
-                       f"test (see {PROG} --help)")
+                       f"bench, test (see {PROG} --help)")
     return args
 
 
@@ -215,6 +251,13 @@ def _dispatch(args):
             matrix=args.matrix,
             json_path=args.json,
         )
+    if args.command == "bench":
+        from keras_mha.cli import bench
+
+        if args.backend is not None:
+            return run_child(args.backend, ["bench", *bench.child_args(args)])
+        import_keras()
+        return bench.run(args)
     if args.command == "test":
         from keras_mha.cli import testrun
 
