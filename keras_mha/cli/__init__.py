@@ -38,11 +38,16 @@ from keras_mha.cli.common import positive_int
 def run_child(backend, args):
     """Runs `python -m keras_mha ARGS` on `backend`; returns its exit code.
 
-    The child inherits stdout and stderr, so its output is the user's.
+    The child inherits stdout and stderr, so its output is the user's; a
+    Ctrl-C reaches it too, and its exit code is the answer.
     """
     check_backend(backend)
     command = [sys.executable, "-m", "keras_mha", *args]
-    return subprocess.run(command, env=backend_env(backend)).returncode
+    child = subprocess.Popen(command, env=backend_env(backend))
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        return child.wait()  # it ends as it handles the interrupt
 
 
 # -------------------------------------------------------------------- parser

@@ -18,7 +18,8 @@ falls on both alike. Every timed call waits for its result on the device.
 The table gives the median time per call of each, the ratio, and the path
 our layer takes (`MultiHeadAttention.attention_path`); the device is the
 one the backend computes on. A layer that fails at a size (out of memory)
-says so in its cell, and the other sizes still run.
+says so in its cell, and the other sizes still run; interrupted (Ctrl-C),
+it shows the sizes measured so far and exits with 130.
 """
 
 import importlib.util
@@ -265,6 +266,7 @@ def run(args):
     cells = [(t_len, window) for t_len in lengths for window in windows]
     errors = Console(stderr=True)
     rows = []
+    interrupted = False
     with Progress(
         TextColumn("{task.description:<20}"), BarColumn(),
         MofNCompleteColumn(), TimeElapsedColumn(), console=errors,
@@ -272,21 +274,29 @@ def run(args):
     ) as progress:
         calls = 2 * (repeats + 1)  # per cell: a warm-up and the rounds
         task = progress.add_task("", total=len(cells) * calls)
-        for number, (t_len, window) in enumerate(cells):
-            progress.update(task, description=f"T={t_len} w={_w(window)}")
-            rows.append(_measure(shape, t_len, window, args.causal,
-                                 args.backward, repeats, device,
-                                 lambda: progress.advance(task)))
-            progress.update(task, completed=(number + 1) * calls)
+        try:
+            for number, (t_len, window) in enumerate(cells):
+                progress.update(task,
+                                description=f"T={t_len} w={_w(window)}")
+                rows.append(_measure(shape, t_len, window, args.causal,
+                                     args.backward, repeats, device,
+                                     lambda: progress.advance(task)))
+                progress.update(task, completed=(number + 1) * calls)
+        except KeyboardInterrupt:  # what was measured is still shown
+            interrupted = True
     console = Console(highlight=False)
     mode = "forward+backward" if args.backward else "forward"
     versions = f"{backend} {backend_version(backend) or ''}".strip()
     console.print(f"device: {device} ({versions}, keras "
                   f"{keras.__version__})")
-    console.print(_table(rows, shape, args.causal, mode, repeats))
-    if args.plot is not None:
+    if rows:
+        console.print(_table(rows, shape, args.causal, mode, repeats))
+    if args.plot is not None and rows:
         _save_plot(rows, args.plot, shape, args.causal, mode, device)
         console.print(f"plot written to {args.plot}")
+    if interrupted:
+        console.print(f"interrupted after {len(rows)} of {len(cells)} sizes")
+        return 130
     return 0
 
 
