@@ -204,6 +204,7 @@ def _bench(config, out, case, skipped):
             "what": PROG + (f" --{case}" if case else ""),
             "config": config,
             "machine": _machine(),
+            "commit": _commit(),
             "backends": config["backends"],
             "backend_info": bench.backends,
             "flops_definition": plan.FLOPS_DEFINITION,
@@ -257,6 +258,19 @@ def _bench(config, out, case, skipped):
     if interrupted:
         return 130
     return 1 if failed else 0
+
+
+def _commit():
+    """The checkout's commit (as asv records one per result), or `None`."""
+    import subprocess
+
+    try:
+        found = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return found.stdout.strip() or None
 
 
 def _machine():

@@ -1371,10 +1371,12 @@ def write_markdown(path, document, json_name):
              if info.get("keras")}
     if keras:
         versions += f", keras {', '.join(sorted(keras))}"
+    commit = document.get("commit")
+    where = f" of commit {commit[:12]}" if commit else ""
     lines = [
         f"# `{document['what']}`",
         "",
-        f"{document['seconds']:.0f} s on {machine['platform']} "
+        f"{document['seconds']:.0f} s{where} on {machine['platform']} "
         f"({machine['processor']}, {machine['cpus']} CPUs, Python "
         f"{machine['python']}); {versions or 'no backend started'}. Every "
         f"unit, with the reason of each skip, is in `{json_name}`.",
