@@ -576,6 +576,16 @@ def test_test_names_files_instead_of_the_folder(tmp_path, monkeypatch):
     (tmp_path / "tests" / "test_a.py").write_text("def test_a():\n    pass\n")
     monkeypatch.chdir(tmp_path)
     whole = testrun._command(["-k", "a"], color=False)
-    assert whole[3:4] == ["tests"] and whole[-2:] == ["-k", "a"]
+    assert whole[3:5] == ["tests", "-q"] and whole[-2:] == ["-k", "a"]
     one = testrun._command(["tests/test_a.py::test_a"], color=False)
     assert "tests" not in one and one[-1] == "tests/test_a.py::test_a"
+    # A checkout with the development benchmarks runs their tests too.
+    (tmp_path / "benchmarks" / "tests").mkdir(parents=True)
+    both = testrun._command([], color=False)
+    assert both[3:5] == ["tests", os.path.join("benchmarks", "tests")]
+
+
+def test_test_tells_each_run_the_backends_of_the_whole_run(tmp_path):
+    env = testrun._env("jax", str(tmp_path), ["jax", "numpy"])
+    assert env["KERAS_BACKEND"] == "jax"
+    assert env["KERAS_MHA_TEST_BACKENDS"] == "jax,numpy"

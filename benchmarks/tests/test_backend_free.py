@@ -20,6 +20,7 @@ from benchmarks import command
 from benchmarks import plan
 from benchmarks import report
 from benchmarks import worker
+from benchmarks.tests import conftest
 from keras_mha.attention import dispatch
 
 pytestmark = pytest.mark.backend_free
@@ -952,3 +953,18 @@ def test_targets_compare_the_reference_cell():
     assert "jax w=128: 4.00" in scaling["detail"]
     assert results["keras_over_ours"]["detail"] == (
         "torch: keras/ours = 10.0x; jax: keras/ours = 10.0x")
+
+
+# ------------------------------------------------------------ collection
+
+
+@pytest.mark.parametrize("backends, chosen", [
+    ("tensorflow,jax,torch,numpy", "numpy"),
+    ("jax,torch", "jax"),
+    ("torch", "torch"),
+    ("", None),  # plain pytest: collected on its backend
+])
+def test_backend_free_tests_are_collected_on_one_backend(backends, chosen,
+                                                          monkeypatch):
+    monkeypatch.setenv("KERAS_MHA_TEST_BACKENDS", backends)
+    assert conftest.backend_free_backend() == chosen
