@@ -41,6 +41,8 @@ def backend_log_lines(text):
 
 def run_cli(*args, cwd=None, timeout=300):
     env = dict(os.environ, KERAS_BACKEND=BACKEND, PYTHONIOENCODING="utf-8")
+    # As in a user's shell: importing this suite's backends set it here.
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     return subprocess.run(
         [sys.executable, "-m", "keras_mha", *args],
         capture_output=True,
@@ -375,7 +377,7 @@ def test_compare_reference_matches_the_tests_reference():
 # --------------------------------------------------------------------- bench
 
 # Tiny shapes: the first calls compile, the timed ones take milliseconds.
-BENCH_FLAGS = ["--lengths", "16,32", "--window", "none,8", "--heads", "2",
+BENCH_FLAGS = ["--lengths", "16", "--window", "none,8", "--heads", "2",
                "--key-dim", "4", "--repeats", "2", "--causal"]
 
 
@@ -409,8 +411,7 @@ def test_bench_prints_both_layers_and_their_ratio(bench_run):
     rows = [[c.strip() for c in line.split("│")[1:-1]]
             for line in out.splitlines()
             if re.match(r"^│ +\d", line)]
-    assert [row[:2] for row in rows] == [["16", "none"], ["16", "8"],
-                                         ["32", "none"], ["32", "8"]]
+    assert [row[:2] for row in rows] == [["16", "none"], ["16", "8"]]
     for t_len, window, keras_ms, ours_ms, ratio, path in rows:
         assert float(ratio.rstrip("x")) == pytest.approx(
             float(keras_ms.replace(",", "")) / float(ours_ms.replace(",", "")),

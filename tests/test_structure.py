@@ -185,10 +185,15 @@ def test_no_library_module_is_over_the_limit():
     assert {n: k for n, k in lengths.items() if k > MAX_LINES} == {}
 
 
+# Keras first, as a program that loads a saved model imports them: the
+# package registers its layers as it is imported, before any name is read.
 _USE_THE_LAYER = """
 import json, sys
+import keras
 import numpy as np
 import keras_mha
+registered = keras.saving.get_registered_object(
+    "keras_mha>GroupedQueryAttention") is not None
 layer = keras_mha.MultiHeadAttention(num_heads=2, key_dim=4)
 x = np.ones((1, 3, 8), "float32")  # (B, T, E)
 output = layer(x, x, use_causal_mask=True)
@@ -197,22 +202,25 @@ print(json.dumps({
     "cli": sorted(m for m in sys.modules
                   if m in ("keras_mha.cli", "keras_mha.__main__")
                   or m.startswith("keras_mha.cli.")),
+    "registered": registered,
 }))
 """
 
 
-def test_using_the_layer_loads_no_command_line_module():
-    # A fresh process: this one may have imported the command line already.
+def _fresh(code):
+    """What `code`, run in a fresh process (this one has imported the
+    command line and Keras already), prints last, as JSON."""
     result = subprocess.run(
-        [sys.executable, "-c", _USE_THE_LAYER],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, KERAS_BACKEND=BACKEND),
-        timeout=300,
+        [sys.executable, "-c", code], capture_output=True, text=True,
+        env=dict(os.environ, KERAS_BACKEND=BACKEND), timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    loaded = json.loads(result.stdout.strip().splitlines()[-1])
-    assert loaded == {"shape": [1, 3, 8], "cli": []}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_using_the_layer_loads_no_command_line_module():
+    assert _fresh(_USE_THE_LAYER) == {"shape": [1, 3, 8], "cli": [],
+                                      "registered": True}
 
 
 # Reads every public name, as `from keras_mha import *` does, after noting
@@ -236,25 +244,6 @@ print(json.dumps({"alone": alone, "missing": missing,
                   "registered": registered}))
 """
 
-# Keras first, as a program that loads a saved model imports them: the
-# package registers its layers as it is imported.
-_KERAS_FIRST = """
-import json
-import keras
-import keras_mha
-print(json.dumps(keras.saving.get_registered_object(
-    "keras_mha>GroupedQueryAttention") is not None))
-"""
-
-
-def _fresh(code):
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True,
-        env=dict(os.environ, KERAS_BACKEND=BACKEND), timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
 
 def test_the_package_loads_its_names_on_first_use():
     found = _fresh(_IMPORT_THE_PACKAGE)
@@ -275,7 +264,3 @@ def test_the_package_loads_its_names_on_first_use():
     assert found["registered"] == ["CachedMultiHeadAttention",
                                    "GroupedQueryAttention",
                                    "MultiHeadAttention", "RotaryEmbedding"]
-
-
-def test_importing_the_package_after_keras_registers_its_layers():
-    assert _fresh(_KERAS_FIRST) is True

@@ -18,8 +18,10 @@ falls on both alike. Every timed call waits for its result on the device.
 The table gives the median time per call of each, the ratio, and the path
 our layer takes (`MultiHeadAttention.attention_path`); the device is the
 one the backend computes on. A layer that fails at a size (out of memory)
-says so in its cell, and the other sizes still run; interrupted (Ctrl-C),
-it shows the sizes measured so far and exits with 130.
+says so in its cell, and the other sizes still run; on a CPU, Keras's layer
+is not run at a size whose `(B, N, T, T)` scores would not fit in the
+memory available. Interrupted (Ctrl-C), it shows the sizes measured so far
+and exits with 130.
 """
 
 import importlib.util
