@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 from conftest import BACKEND
@@ -427,8 +428,9 @@ def test_bench_layers_compute_the_same():
         {"batch": 2, "heads": 2, "key_dim": 4}, 12, 4)
     for causal in (False, True):
         np.testing.assert_allclose(
-            np.asarray(ours(x, x, use_causal_mask=causal)),
-            np.asarray(theirs(x, x, use_causal_mask=causal)), atol=1e-5)
+            keras.ops.convert_to_numpy(ours(x, x, use_causal_mask=causal)),
+            keras.ops.convert_to_numpy(theirs(x, x, use_causal_mask=causal)),
+            atol=1e-5)
 
 
 def test_bench_times_alternately():
