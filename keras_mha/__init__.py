@@ -1,21 +1,51 @@
-"""keras-mha: multi-head attention for Keras 3 on every backend."""
+"""keras-mha: multi-head attention for Keras 3 on every backend.
 
-from keras_mha.cached import CachedMultiHeadAttention
-from keras_mha.convert import from_keras
-from keras_mha.convert import from_torch
-from keras_mha.distribution import layout_map
-from keras_mha.grouped import GroupedQueryAttention
-from keras_mha.layer import MultiHeadAttention
-from keras_mha.rotary import RotaryEmbedding
+The public names load on first use (PEP 562), so that importing a part
+that needs no backend, such as the command line's parser
+(`keras_mha.cli`), imports neither Keras nor a backend. Reading any public
+name loads them all, which registers every layer with Keras's
+serialization (`keras.saving.load_model` finds them by name). Where Keras
+is already imported when this package is, they load at once, as an eager
+package would: `import keras` then `import keras_mha` registers the layers
+before any name is read.
+"""
+
+import importlib
+import sys
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CachedMultiHeadAttention",
-    "GroupedQueryAttention",
-    "MultiHeadAttention",
-    "RotaryEmbedding",
-    "from_keras",
-    "from_torch",
-    "layout_map",
-]
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "CachedMultiHeadAttention": "keras_mha.cached",
+    "GroupedQueryAttention": "keras_mha.grouped",
+    "MultiHeadAttention": "keras_mha.layer",
+    "RotaryEmbedding": "keras_mha.rotary",
+    "from_keras": "keras_mha.convert",
+    "from_torch": "keras_mha.convert",
+    "layout_map": "keras_mha.distribution",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def _load():
+    """Imports every public name into this module's namespace."""
+    names = globals()
+    for name, module in _EXPORTS.items():
+        names[name] = getattr(importlib.import_module(module), name)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if "keras" in sys.modules:
+    _load()

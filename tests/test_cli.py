@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 from conftest import BACKEND
@@ -20,6 +21,7 @@ from conftest import BACKEND
 import keras_mha
 from keras_mha import cli
 from keras_mha.attention import dispatch
+from keras_mha.cli import bench
 from keras_mha.cli import compare
 from keras_mha.cli import demo
 from keras_mha.cli import info
@@ -34,8 +36,14 @@ _TENSORFLOW_LOG = re.compile(
 )
 
 
+def backend_log_lines(text):
+    return [line for line in text.splitlines() if _TENSORFLOW_LOG.match(line)]
+
+
 def run_cli(*args, cwd=None, timeout=300):
     env = dict(os.environ, KERAS_BACKEND=BACKEND, PYTHONIOENCODING="utf-8")
+    # As in a user's shell: importing this suite's backends set it here.
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     return subprocess.run(
         [sys.executable, "-m", "keras_mha", *args],
         capture_output=True,
@@ -95,6 +103,7 @@ def demo_run(tmp_path_factory):
 def test_demo_prints_the_layers_weights(demo_run):
     result, _ = demo_run
     assert result.returncode == 0, result.stderr
+    assert backend_log_lines(result.stderr) == []
     rows = {}
     for line in result.stdout.splitlines():
         match = re.fullmatch(r"head (\d): (.*)", line)
@@ -174,6 +183,7 @@ def test_info_child_forwards_every_flag():
                      "--sliding-window", "16", "--query-length", "1024",
                      "--value-mask")
     assert result.returncode == 0, result.stderr
+    assert backend_log_lines(result.stderr) == []  # the child's start-up
     out = result.stdout
     assert re.search(rf"^active backend: {BACKEND} ", out, re.M)
     for backend in cli.BACKENDS:
@@ -365,6 +375,150 @@ def test_compare_reference_matches_the_tests_reference():
     np.testing.assert_allclose(ours[1], theirs[1], atol=1e-12)
 
 
+# --------------------------------------------------------------------- bench
+
+# Tiny shapes: the first calls compile, the timed ones take milliseconds.
+BENCH_FLAGS = ["--lengths", "16", "--window", "none,8", "--heads", "2",
+               "--key-dim", "4", "--repeats", "2", "--causal"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One `bench` child: forward+backward where the backend has autodiff,
+    with `--plot` when matplotlib is installed."""
+    args = ["bench", *BENCH_FLAGS]
+    if BACKEND != "numpy":
+        args.append("--backward")
+    plot = None
+    if importlib.util.find_spec("matplotlib") is not None:
+        plot = tmp_path_factory.mktemp("bench") / "bench.png"
+        args += ["--plot", str(plot)]
+    return run_cli(*args), plot
+
+
+def test_bench_prints_both_layers_and_their_ratio(bench_run):
+    result, plot = bench_run
+    assert result.returncode == 0, result.stderr
+    assert backend_log_lines(result.stderr) == []
+    out = result.stdout
+    assert re.search(rf"^device: (CPU|GPU): .*\({BACKEND} ", out, re.M), out
+    mode = "forward" if BACKEND == "numpy" else "forward\\+backward"
+    assert re.search(rf"^{mode}, B=1, N=2, H=4, causal", out, re.M), out
+    assert "median of 2 calls each, timed alternately" in out
+    header = [c.strip() for c in re.split("[┃│]", next(
+        line for line in out.splitlines() if "keras ms" in line))[1:-1]]
+    assert header == ["T", "window", "keras ms", "ours ms", "keras / ours",
+                      "our path"]
+    rows = [[c.strip() for c in line.split("│")[1:-1]]
+            for line in out.splitlines()
+            if re.match(r"^│ +\d", line)]
+    assert [row[:2] for row in rows] == [["16", "none"], ["16", "8"]]
+    for t_len, window, keras_ms, ours_ms, ratio, path in rows:
+        assert float(ratio.rstrip("x")) == pytest.approx(
+            float(keras_ms.replace(",", "")) / float(ours_ms.replace(",", "")),
+            rel=0.05)
+        assert path in dispatch.PATHS
+    if plot is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_layers_compute_the_same():
+    # The two layers timed get the same weights: the same function.
+    theirs, ours, x = bench.layer_pair(
+        {"batch": 2, "heads": 2, "key_dim": 4}, 12, 4)
+    for causal in (False, True):
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(ours(x, x, use_causal_mask=causal)),
+            keras.ops.convert_to_numpy(theirs(x, x, use_causal_mask=causal)),
+            atol=1e-5)
+
+
+def test_bench_times_alternately():
+    calls = []
+    times = bench.time_alternately(
+        [(name, lambda name=name: calls.append(name)) for name in "ab"], 3)
+    # One untimed call each, then three rounds, every other one reversed.
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert {name: len(seconds) for name, seconds in times.items()} == {
+        "a": 3, "b": 3}
+
+
+def test_bench_child_forwards_every_flag():
+    flags = ["--batch", "2", "--lengths", "1k,4k", "--heads", "4",
+             "--key-dim", "16", "--window", "none,128", "--repeats", "3",
+             "--plot", "a.png", "--causal", "--backward"]
+    args = cli.build_parser().parse_args(["bench", "--backend", "jax",
+                                          *flags])
+    assert bench.child_args(args) == flags
+
+
+def test_bench_sizes():
+    assert bench.parse_sizes("512,1k, 4K,1k", "lengths") == [512, 1024,
+                                                             4096]
+    assert bench.parse_sizes("none,128", "window", allow_none=True) == [
+        None, 128]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lengths", "1k,abc"], "--lengths: cannot read 'abc'"),
+        (["--lengths", "0"], "--lengths: cannot read '0'"),
+        (["--window", "none,-1"], "--window: cannot read '-1'"),
+        (["--lengths", "none"], "--lengths: cannot read 'none'"),
+        (["--heads", "0"], "must be positive"),
+        (["--backend", "nope"], "unknown backend 'nope'"),
+    ],
+)
+def test_bench_errors_are_one_line(args, message, capsys):
+    assert cli.main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("keras-mha: error: ") and message in err
+
+
+@pytest.mark.skipif(BACKEND != "numpy",
+                    reason="NumPy's error: the other backends differentiate")
+def test_bench_backward_needs_autodiff(capsys):
+    assert cli.main(["bench", "--backward"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "the numpy backend runs inference only" in err
+
+
+# ------------------------------------------------------------- a quiet start
+
+# Builds every subcommand's parser and parses a call of each, as `main`
+# does before it runs anything.
+_PARSE_EVERY_COMMAND = """
+import json, sys
+from keras_mha.cli import build_parser
+parser = build_parser()
+for argv in (["demo"], ["info", "--causal"], ["compare"],
+             ["bench", "--lengths", "1k", "--backward"], ["test"]):
+    parser.parse_known_args(argv)
+print(json.dumps(sorted(name for name in ("keras", "tensorflow", "jax",
+                                          "torch") if name in sys.modules)))
+"""
+
+
+def test_the_parser_imports_no_backend_and_no_keras():
+    # A fresh process: this one has imported Keras already.
+    result = subprocess.run([sys.executable, "-c", _PARSE_EVERY_COMMAND],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+
+
+def test_help_is_quiet():
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert backend_log_lines(result.stdout) == []
+    for command in ("demo", "info", "compare", "bench", "test"):
+        assert re.search(rf"^    {command} ", result.stdout, re.M), command
+
+
 # ---------------------------------------------------------------------- test
 
 
@@ -425,6 +579,16 @@ def test_test_names_files_instead_of_the_folder(tmp_path, monkeypatch):
     (tmp_path / "tests" / "test_a.py").write_text("def test_a():\n    pass\n")
     monkeypatch.chdir(tmp_path)
     whole = testrun._command(["-k", "a"], color=False)
-    assert whole[3:4] == ["tests"] and whole[-2:] == ["-k", "a"]
+    assert whole[3:5] == ["tests", "-q"] and whole[-2:] == ["-k", "a"]
     one = testrun._command(["tests/test_a.py::test_a"], color=False)
     assert "tests" not in one and one[-1] == "tests/test_a.py::test_a"
+    # A checkout with the development benchmarks runs their tests too.
+    (tmp_path / "benchmarks" / "tests").mkdir(parents=True)
+    both = testrun._command([], color=False)
+    assert both[3:5] == ["tests", os.path.join("benchmarks", "tests")]
+
+
+def test_test_tells_each_run_the_backends_of_the_whole_run(tmp_path):
+    env = testrun._env("jax", str(tmp_path), ["jax", "numpy"])
+    assert env["KERAS_BACKEND"] == "jax"
+    assert env["KERAS_MHA_TEST_BACKENDS"] == "jax,numpy"

@@ -1,9 +1,12 @@
-"""The package's structure: the library stands apart from the command line.
+"""The package's structure: the library stands apart from the command line,
+and both from the development benchmarks.
 
 The library is every module of `keras_mha` outside `keras_mha/cli/` and
-`keras_mha/__main__.py`. Imports are read from the sources with `ast`, an
-import inside a function counting as much as one at the top, the way
-`../shared/hooks/structure.py` reads them; nothing here compiles.
+`keras_mha/__main__.py`; the development benchmarks are the top-level
+`benchmarks/`, outside the package (they import it, never the reverse).
+Imports are read from the sources with `ast`, an import inside a function
+counting as much as one at the top, the way `../shared/hooks/structure.py`
+reads them; nothing here compiles.
 """
 
 import ast
@@ -43,16 +46,27 @@ def is_cli(name):
 LIBRARY = sorted(name for name in MODULES if not is_cli(name))
 
 
-def imported_names(name):
-    """Every module name that module `name` imports, anywhere in its source.
+def is_benchmarks(name):
+    return name == "benchmarks" or name.startswith("benchmarks.")
 
-    `from X import a` imports `X.a` where that is a module of the package,
-    else `X` (for a name `X` defines); relative imports are resolved.
-    """
+
+def imported_names(name):
+    """Every module name that module `name` imports, anywhere in its source
+    (`imported_names_of`)."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return imported_names_of(path.read_text(encoding="utf-8"), package)
+
+
+def imported_names_of(source, package):
+    """Every module name that `source`, a module of `package`, imports.
+
+    `from X import a` imports `X.a` where that is a module of the package,
+    else `X` (for a name `X` defines, or a module of another package);
+    relative imports are resolved.
+    """
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -127,6 +141,13 @@ def test_the_reader_sees_every_kind_of_import():
         ["a", "b", "c"]
     ]
     assert cycles({"a": {"b"}, "b": set()}) == []
+    # What the benchmarks rule looks for, wherever it is imported from.
+    assert is_benchmarks("benchmarks") and is_benchmarks("benchmarks.plan")
+    assert not is_benchmarks("benchmarks_of_someone")
+    for source in ("def f():\n    from benchmarks import plan\n",
+                   "import benchmarks.plan\n"):
+        assert any(is_benchmarks(name)
+                   for name in imported_names_of(source, "keras_mha.cli"))
 
 
 # ------------------------------------------------------------------ the rules
@@ -138,6 +159,16 @@ def test_the_library_never_imports_the_command_line():
         for name in LIBRARY
         for other in imported_names(name)
         if is_cli(other)
+    )
+    assert found == []
+
+
+def test_neither_the_library_nor_the_command_line_imports_the_benchmarks():
+    found = sorted(
+        f"{name} imports {other}"
+        for name in MODULES
+        for other in imported_names(name)
+        if is_benchmarks(other)
     )
     assert found == []
 
@@ -154,10 +185,15 @@ def test_no_library_module_is_over_the_limit():
     assert {n: k for n, k in lengths.items() if k > MAX_LINES} == {}
 
 
+# Keras first, as a program that loads a saved model imports them: the
+# package registers its layers as it is imported, before any name is read.
 _USE_THE_LAYER = """
 import json, sys
+import keras
 import numpy as np
 import keras_mha
+registered = keras.saving.get_registered_object(
+    "keras_mha>GroupedQueryAttention") is not None
 layer = keras_mha.MultiHeadAttention(num_heads=2, key_dim=4)
 x = np.ones((1, 3, 8), "float32")  # (B, T, E)
 output = layer(x, x, use_causal_mask=True)
@@ -166,19 +202,65 @@ print(json.dumps({
     "cli": sorted(m for m in sys.modules
                   if m in ("keras_mha.cli", "keras_mha.__main__")
                   or m.startswith("keras_mha.cli.")),
+    "registered": registered,
 }))
 """
 
 
-def test_using_the_layer_loads_no_command_line_module():
-    # A fresh process: this one may have imported the command line already.
+def _fresh(code):
+    """What `code`, run in a fresh process (this one has imported the
+    command line and Keras already), prints last, as JSON."""
     result = subprocess.run(
-        [sys.executable, "-c", _USE_THE_LAYER],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, KERAS_BACKEND=BACKEND),
-        timeout=300,
+        [sys.executable, "-c", code], capture_output=True, text=True,
+        env=dict(os.environ, KERAS_BACKEND=BACKEND), timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    loaded = json.loads(result.stdout.strip().splitlines()[-1])
-    assert loaded == {"shape": [1, 3, 8], "cli": []}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_using_the_layer_loads_no_command_line_module():
+    assert _fresh(_USE_THE_LAYER) == {"shape": [1, 3, 8], "cli": [],
+                                      "registered": True}
+
+
+# Reads every public name, as `from keras_mha import *` does, after noting
+# what importing the package alone loaded.
+_IMPORT_THE_PACKAGE = """
+import json, sys
+import keras_mha
+alone = sorted(m for m in ("keras", "keras_mha.layer") if m in sys.modules)
+missing = hasattr(keras_mha, "no_such_name")
+public = {name: getattr(keras_mha, name).__module__
+          for name in keras_mha.__all__}
+import keras
+registered = sorted(
+    name for name in ("MultiHeadAttention", "CachedMultiHeadAttention",
+                      "GroupedQueryAttention", "RotaryEmbedding")
+    if keras.saving.get_registered_object("keras_mha>" + name) is not None)
+print(json.dumps({"alone": alone, "missing": missing,
+                  "version": keras_mha.__version__,
+                  "public": public, "dir": sorted(set(keras_mha.__all__)
+                                                  - set(dir(keras_mha))),
+                  "registered": registered}))
+"""
+
+
+def test_the_package_loads_its_names_on_first_use():
+    found = _fresh(_IMPORT_THE_PACKAGE)
+    assert found["alone"] == []  # neither Keras nor a layer yet
+    assert found["missing"] is False  # an AttributeError, as ever
+    assert found["version"] == "0.1.0"
+    assert found["public"] == {
+        "CachedMultiHeadAttention": "keras_mha.cached",
+        "GroupedQueryAttention": "keras_mha.grouped",
+        "MultiHeadAttention": "keras_mha.layer",
+        "RotaryEmbedding": "keras_mha.rotary",
+        "from_keras": "keras_mha.convert",
+        "from_torch": "keras_mha.convert",
+        "layout_map": "keras_mha.distribution",
+    }
+    assert found["dir"] == []  # dir() lists every public name
+    # One name read registered every layer with Keras's serialization.
+    assert found["registered"] == ["CachedMultiHeadAttention",
+                                   "GroupedQueryAttention",
+                                   "MultiHeadAttention", "RotaryEmbedding"]

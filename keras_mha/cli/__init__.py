@@ -2,9 +2,12 @@
 
 This module parses arguments and turns every failure into one line on stderr
 and an exit code; the work of each subcommand lives in its own module
-(`demo.py`, `info.py`, `compare.py`, `bench/`, `testrun.py`), imported only
-when that subcommand runs. What they share is in `common.py`; they import
-it, never this module. The library never imports the command line.
+(`demo.py`, `info.py`, `compare.py`, `bench.py`, `testrun.py`), imported
+only when that subcommand runs, so that `--help` and building the parser
+import neither Keras nor a backend. What they share is in `common.py`; they
+import it, never this module. The library never imports the command line,
+and neither imports the development benchmarks (`benchmarks/`, outside the
+package).
 
 A Keras process has exactly one backend, fixed when Keras is imported, so
 everything that runs on a chosen backend runs in a child process with
@@ -23,8 +26,11 @@ import sys
 from keras_mha.cli.common import BACKENDS
 from keras_mha.cli.common import PROG
 from keras_mha.cli.common import CLIError
+from keras_mha.cli.common import Parser
 from keras_mha.cli.common import backend_env
 from keras_mha.cli.common import check_backend
+from keras_mha.cli.common import guarded
+from keras_mha.cli.common import import_keras
 from keras_mha.cli.common import parse_backends
 from keras_mha.cli.common import positive_int
 
@@ -32,21 +38,19 @@ from keras_mha.cli.common import positive_int
 def run_child(backend, args):
     """Runs `python -m keras_mha ARGS` on `backend`; returns its exit code.
 
-    The child inherits stdout and stderr, so its output is the user's.
+    The child inherits stdout and stderr, so its output is the user's; a
+    Ctrl-C reaches it too, and its exit code is the answer.
     """
     check_backend(backend)
     command = [sys.executable, "-m", "keras_mha", *args]
-    return subprocess.run(command, env=backend_env(backend)).returncode
+    child = subprocess.Popen(command, env=backend_env(backend))
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        return child.wait()  # it ends as it handles the interrupt
 
 
 # -------------------------------------------------------------------- parser
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, not usage + error."""
-
-    def error(self, message):
-        raise CLIError(f"{message} (see {self.prog} --help)")
 
 
 def _add_backend_flag(parser, what):
@@ -59,10 +63,11 @@ def _add_backend_flag(parser, what):
 
 
 def build_parser():
-    parser = _Parser(
+    parser = Parser(
         prog=PROG,
         description="Multi-head attention for Keras 3: demo, environment "
-        "info, cross-backend comparison and the test suite on every backend.",
+        "info, cross-backend comparison, a benchmark against Keras's layer "
+        "on your shapes, and the test suite on every backend.",
     )
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {_version()}"
@@ -139,18 +144,49 @@ def build_parser():
     compare.add_argument("--worker", action="store_true",
                          help=argparse.SUPPRESS)
 
-    from keras_mha.cli.bench import command as bench
-
-    bench.add_parser(commands)  # its parser only; the work is imported later
+    bench = commands.add_parser(
+        "bench",
+        help="time Keras's MultiHeadAttention and ours on your shapes",
+        description="Times keras.layers.MultiHeadAttention and "
+        "keras_mha.MultiHeadAttention (same configuration and weights) on "
+        "self-attention inputs (B, T, N*H) on the active backend's device, "
+        "compiled as Model.compile's default runs a step, the two called "
+        "alternately so that their ratio is measured over the same seconds. "
+        "Prints the median time per call of each, the ratio and the path "
+        "our layer takes.",
+    )
+    _add_backend_flag(bench, "the benchmark")
+    bench.add_argument("--lengths", metavar="T,T",
+                       help="sequence lengths, e.g. 512,1k,4k (default 1k,4k)")
+    bench.add_argument("--window", metavar="W,W",
+                       help="sliding windows, 'none' for none, e.g. none,128 "
+                       "(default none)")
+    bench.add_argument("--batch", type=positive_int, metavar="B",
+                       help="batch size (default 1)")
+    bench.add_argument("--heads", type=positive_int, metavar="N",
+                       help="number of heads (default 8)")
+    bench.add_argument("--key-dim", type=positive_int, metavar="H",
+                       help="size of each head (default 64)")
+    bench.add_argument("--causal", action="store_true",
+                       help="use_causal_mask=True")
+    bench.add_argument("--backward", action="store_true",
+                       help="time forward+backward: the gradients with "
+                       "respect to the input and the weights")
+    bench.add_argument("--repeats", type=positive_int, metavar="R",
+                       help="timed calls of each layer (default 10)")
+    bench.add_argument("--plot", metavar="FILE.png",
+                       help="also draw time per call against T (needs "
+                       "matplotlib)")
 
     test = commands.add_parser(
         "test",
         allow_abbrev=False,  # `--back` is someone's pytest flag, not ours
-        help="run tests/ on each backend",
-        description="Runs `pytest tests` of the current directory on each "
-        "backend in its own process (KERAS_BACKEND=<backend>, "
-        "KERAS_HOME=configs/<backend>). Other arguments, or everything after "
-        "`--`, go to pytest.",
+        help="run the project's tests on each backend",
+        description="Runs `pytest tests benchmarks/tests` of the current "
+        "directory (a source checkout) on each backend in its own process "
+        "(KERAS_BACKEND=<backend>, KERAS_HOME=configs/<backend>). Other "
+        "arguments, or everything after `--`, go to pytest; test files "
+        "named there replace the two folders.",
     )
     test.add_argument("--backends", metavar="A,B",
                       help="comma-separated (default: tensorflow,jax,torch,"
@@ -198,6 +234,7 @@ def _dispatch(args):
         if args.backend is not None:
             plot = [] if args.plot is None else ["--plot", args.plot]
             return run_child(args.backend, ["demo", *plot])
+        import_keras()
         from keras_mha.cli import demo
 
         return demo.run(plot=args.plot)
@@ -206,11 +243,13 @@ def _dispatch(args):
 
         if args.backend is not None:
             return run_child(args.backend, ["info", *info.config_args(args)])
+        import_keras()
         return info.run(args)
     if args.command == "compare":
         from keras_mha.cli import compare
 
         if args.worker:
+            import_keras()
             return compare.worker(args.matrix)
         return compare.run(
             backends=parse_backends(args.backends),
@@ -218,8 +257,11 @@ def _dispatch(args):
             json_path=args.json,
         )
     if args.command == "bench":
-        from keras_mha.cli.bench import command as bench
+        from keras_mha.cli import bench
 
+        if args.backend is not None:
+            return run_child(args.backend, ["bench", *bench.child_args(args)])
+        import_keras()
         return bench.run(args)
     if args.command == "test":
         from keras_mha.cli import testrun
@@ -235,24 +277,4 @@ def _dispatch(args):
 def main(argv=None):
     """Entry point of `keras-mha` and `python -m keras_mha`."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    for stream in (sys.stdout, sys.stderr):
-        # Token names are Cyrillic; never crash on a narrow terminal encoding.
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
-    try:
-        return _dispatch(_parse(argv)) or 0
-    except CLIError as error:
-        _print_error(error)
-        return error.exit_code
-    except KeyboardInterrupt:
-        _print_error("interrupted")
-        return 130
-    except Exception as error:  # the promise: one line, never a traceback
-        message = str(error).strip().splitlines()
-        detail = f": {message[0]}" if message else ""
-        _print_error(f"{type(error).__name__}{detail}")
-        return 1
-
-
-def _print_error(message):
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return guarded(lambda: _dispatch(_parse(argv)))

@@ -10,6 +10,9 @@ import importlib.resources
 import importlib.util
 import os
 import pathlib
+import re
+import sys
+import tempfile
 
 PROG = "keras-mha"
 BACKENDS = ("tensorflow", "jax", "torch", "numpy")
@@ -30,6 +33,39 @@ class CLIError(Exception):
     def __init__(self, message, exit_code=2):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, not usage + error."""
+
+    def error(self, message):
+        raise CLIError(f"{message} (see {self.prog} --help)")
+
+
+def guarded(run, prog=PROG):
+    """`run()`'s exit code; every failure is one line on stderr, never a
+    traceback: a `CLIError` its own code, Ctrl-C 130, anything else 1."""
+    for stream in (sys.stdout, sys.stderr):
+        # Token names are Cyrillic; never crash on a narrow terminal encoding.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    try:
+        return run() or 0
+    except CLIError as error:
+        print_error(error, prog)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print_error("interrupted", prog)
+        return 130
+    except Exception as error:  # the promise: one line, never a traceback
+        message = str(error).strip().splitlines()
+        detail = f": {message[0]}" if message else ""
+        print_error(f"{type(error).__name__}{detail}", prog)
+        return 1
+
+
+def print_error(message, prog=PROG):
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------ backends
@@ -78,13 +114,64 @@ def parse_backends(text):
     return list(dict.fromkeys(names))
 
 
-def backend_env(name, quiet_tensorflow=True):
-    """The environment of a child process that runs on backend `name`."""
+def backend_env(name, quiet=True):
+    """The environment of a child process that runs on backend `name`.
+
+    `quiet`: the backends' C++ logs below FATAL are off (TensorFlow's, and
+    XLA's in TensorFlow and JAX), so that one-line outputs are not buried;
+    the child still drops what they print before that setting applies
+    (`import_keras`). A variable the user set is kept.
+    """
     env = dict(os.environ, KERAS_BACKEND=name)
-    if quiet_tensorflow:
-        # TensorFlow's C++ start-up messages would bury one-line outputs.
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if quiet:
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     return env
+
+
+# A backend's C++ log line (absl's format: severity, date, time), absl's
+# notice about lines logged before it was set up, and the continuation of
+# TensorFlow's CPU-feature notice.
+_BACKEND_LOG = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\)|"
+    r"[IWE]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ |"
+    r"To enable the following instructions)"
+)
+
+
+def import_keras():
+    """Imports Keras, and with it the backend; returns the module.
+
+    Libraries linked into TensorFlow log from C++ as they load (no CUDA
+    driver, cuDNN factories, CPU features), before `TF_CPP_MIN_LOG_LEVEL` or
+    any other setting applies: what the import writes to file descriptor 2
+    is held and passed on without those lines (a FATAL one passes). Keras
+    already imported: returned as it is.
+    """
+    if "keras" in sys.modules:
+        return sys.modules["keras"]
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to guard
+        import keras
+
+        return keras
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            import keras
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            text = held.read().decode("utf-8", errors="replace")
+            kept = [line for line in text.splitlines(keepends=True)
+                    if not _BACKEND_LOG.match(line)]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
+    return keras
 
 
 # ----------------------------------------------------------------- arguments

@@ -1,10 +1,12 @@
-"""`keras-mha test`: the project's `tests/` on each backend, one process each.
+"""`keras-mha test`: the project's tests on each backend, one process each.
 
-Each run is `python -m pytest tests -q -p no:cacheprovider ARGS` in the
-current folder, which must be a source checkout (`tests/` and
-`pyproject.toml`; an installed package has no tests), without `tests` when
-ARGS name test files, with `KERAS_BACKEND=<backend>` and, where the folder
-exists, `KERAS_HOME=configs/<backend>`. With one job the output streams as
+Each run is `python -m pytest tests benchmarks/tests -q -p no:cacheprovider
+ARGS` in the current folder, which must be a source checkout (`tests/` and
+`pyproject.toml`; an installed package has no tests), without the folders
+when ARGS name test files, with `KERAS_BACKEND=<backend>`, where the folder
+exists, `KERAS_HOME=configs/<backend>`, and `KERAS_MHA_TEST_BACKENDS`, the
+backends of the whole run (`benchmarks/tests` collects its tests that touch
+no backend on one of them only). With one job the output streams as
 it comes; with more, each backend's output is printed whole when it
 finishes. A summary line per backend closes the run; any failure (tests
 failing, no tests collected, backend not installed) makes the exit code 1.
@@ -23,6 +25,9 @@ from keras_mha.cli.common import backend_env
 from keras_mha.cli.common import backend_installed
 
 DEFAULT_BACKENDS = ("tensorflow", "jax", "torch", "numpy")
+# The library's tests, then the development benchmarks' (where the checkout
+# has them).
+TEST_FOLDERS = ("tests", os.path.join("benchmarks", "tests"))
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # pytest's last line: "3 failed, 409 passed, 20 skipped in 61.02s (0:01:01)".
@@ -74,31 +79,33 @@ class _Run:
 
 
 def _command(pytest_args, color):
-    # Paths given (`tests/test_cli.py::test_x`) replace the default `tests`.
+    # Paths given (`tests/test_cli.py::test_x`) replace the default folders.
     paths = [a for a in pytest_args
              if not a.startswith("-") and os.path.exists(a.split("::")[0])]
-    command = [sys.executable, "-m", "pytest", *([] if paths else ["tests"]),
+    folders = [] if paths else [f for f in TEST_FOLDERS if os.path.isdir(f)]
+    command = [sys.executable, "-m", "pytest", *folders,
                "-q", "-p", "no:cacheprovider"]
     if color and not any(a.startswith("--color") for a in pytest_args):
         command.append("--color=yes")
     return command + list(pytest_args)
 
 
-def _env(backend, root):
-    env = backend_env(backend, quiet_tensorflow=False)
+def _env(backend, root, backends):
+    env = backend_env(backend, quiet=False)
     env["PYTHONUNBUFFERED"] = "1"  # stream lines as pytest prints them
+    env["KERAS_MHA_TEST_BACKENDS"] = ",".join(backends)
     home = os.path.join(root, "configs", backend)
     if os.path.isdir(home):
         env["KERAS_HOME"] = home
     return env
 
 
-def _start(job, pytest_args, root, color):
+def _start(job, pytest_args, root, color, backends):
     job.started = time.perf_counter()
     job.process = subprocess.Popen(
         _command(pytest_args, color),
         cwd=root,
-        env=_env(job.backend, root),
+        env=_env(job.backend, root, backends),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -133,15 +140,16 @@ def run(backends=None, jobs=1, pytest_args=()):
             each.problem = (f"not installed (pip install "
                             f'"keras-mha[{each.backend}]")')
     color = sys.stdout.isatty()
+    names = [each.backend for each in runnable]  # the backends that run
     try:
         if jobs <= 1:
             for each in runnable:
                 _banner(each.backend)
-                _start(each, pytest_args, root, color)
+                _start(each, pytest_args, root, color, names)
                 each.read(stream_to=sys.stdout)
                 _finish(each)
         else:
-            _run_parallel(runnable, jobs, pytest_args, root, color)
+            _run_parallel(runnable, jobs, pytest_args, root, color, names)
     finally:
         for each in runnable:
             if each.process is not None and each.process.poll() is None:
@@ -155,7 +163,7 @@ def run(backends=None, jobs=1, pytest_args=()):
     return 0 if all(each.passed for each in runs) else 1
 
 
-def _run_parallel(runs, jobs, pytest_args, root, color):
+def _run_parallel(runs, jobs, pytest_args, root, color, backends):
     """Runs up to `jobs` backends at once; prints each one's output whole."""
     pending = list(runs)
     printing = threading.Lock()
@@ -175,7 +183,7 @@ def _run_parallel(runs, jobs, pytest_args, root, color):
     threads = []
     for each in pending:
         slots.acquire()
-        _start(each, pytest_args, root, color)
+        _start(each, pytest_args, root, color, backends)
         thread = threading.Thread(target=work, args=(each,), daemon=True)
         thread.start()
         threads.append(thread)

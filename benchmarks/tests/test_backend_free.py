@@ -1,377 +1,29 @@
-"""`keras-mha bench`: the quick matrix end to end, and the parts around it.
+"""The benchmarks' parts that touch no backend: the configuration, the
+units, FLOPs and caps, the cells, targets and reports built from made-up
+results, the runner with a stand-in worker, and the command's errors.
 
-The end-to-end tests run `python -m keras_mha bench --quick --no-features
---no-decode` (the matrix, the small-model cells and the fit step),
-`--quick --features` and `--quick --decode` on the backend
-the suite runs on (a worker process per backend, so it takes a while: it
-compiles every implementation twice). NumPy is not benchmarked (no
-compiler, no autodiff): there the command must say so in one line.
+Their outcome is the same on every backend: `keras-mha test` collects this
+module on one backend of its run only (see `conftest.py`).
 """
 
-import functools
 import itertools
 import json
 import os
 import re
-import subprocess
 import sys
 
 import keras
 import pytest
-from conftest import BACKEND
 
 import keras_mha
-from keras_mha import cli
+from benchmarks import command
+from benchmarks import plan
+from benchmarks import report
+from benchmarks import worker
+from benchmarks.tests import conftest
 from keras_mha.attention import dispatch
-from keras_mha.cli.bench import backends
-from keras_mha.cli.bench import plan
-from keras_mha.cli.bench import report
-from keras_mha.cli.bench import worker
 
-STATUSES = {plan.OK, plan.SKIPPED, plan.OUT_OF_MEMORY, plan.TIMED_OUT,
-            plan.ERROR, plan.NOT_AVAILABLE}
-
-
-def run_bench(*args, cwd):
-    env = dict(os.environ, KERAS_BACKEND=BACKEND, PYTHONIOENCODING="utf-8")
-    return subprocess.run(
-        [sys.executable, "-m", "keras_mha", "bench", *args],
-        capture_output=True, text=True, encoding="utf-8", cwd=cwd, env=env,
-        timeout=900,
-    )
-
-
-# ------------------------------------------------------------ end to end
-
-
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bench")
-    result = run_bench("--quick", "--no-features", "--no-decode",
-                       "--backends", BACKEND, "--out", "out", cwd=folder)
-    assert result.returncode == 0, result.stderr[-3000:]
-    with open(folder / "out" / "bench.json", encoding="utf-8") as file:
-        document = json.load(file)
-    return result, document, folder / "out"
-
-
-def _check_outcome(outcome, where):
-    assert outcome["status"] in STATUSES, where
-    if outcome["status"] == plan.OK:
-        assert outcome["time_s"] > 0, where
-        assert outcome["repeats"] >= 1, where
-    else:
-        assert outcome.get("reason"), where
-
-
-@pytest.mark.training
-def test_quick_reports_every_cell(quick_run):
-    _, document, _ = quick_run
-    config = plan.load_config(None, "quick")
-    cells = {(c["backend"], c["B"], c["T"], c["w"], c["causal"],
-              c["impl"]): c for c in document["cells"]}
-    small = config["small"]
-    expected = set(itertools.product(
-        [BACKEND], [config["batch"]], config["lengths"], config["windows"],
-        config["causal"],
-        plan.implementations_for(BACKEND, config["implementations"]),
-    )) | set(itertools.product(
-        [BACKEND], [small["batch"]], small["lengths"], small["windows"],
-        config["causal"],
-        plan.implementations_for(BACKEND, small["implementations"]),
-    ))
-    assert set(cells) == expected
-    assert small["batch"] != config["batch"]  # the quick run has both
-    for key, cell in cells.items():
-        for mode in config["modes"]:
-            _check_outcome(cell[mode], (key, mode))
-        if cell["impl"] == "ours":  # the layer's own answer, per cell
-            shape = (cell["B"], cell["T"],
-                     config["num_heads"] * config["key_dim"])
-            layer = keras_mha.MultiHeadAttention(
-                config["num_heads"], config["key_dim"],
-                sliding_window=cell["w"])
-            path = layer.attention_path(shape, shape,
-                                        use_causal_mask=cell["causal"])
-            assert cell["forward"]["path"] == path, (key, cell)
-            assert (cell["forward"]["complexity"] == "banded") == (
-                path == dispatch.BANDED), (key, cell)
-        paired = cell["impl"] in plan.PAIRED_IMPLS and (
-            cell["B"] == small["batch"] or plan.unwindowed(cell))
-        if paired:
-            # Keras's layer and ours, call for call; each its own peak.
-            for mode in config["modes"]:
-                assert cell[mode]["timing"] == "alternately", (key, mode)
-        else:
-            for mode in config["modes"]:
-                assert cell[mode].get("timing") != "alternately", (key, mode)
-        # The small matrix is far from every cap: our layer must run, and
-        # every cell has the projection rate of its B and T.
-        if cell["impl"] in ("ours", "ours_core", "keras"):
-            assert cell["forward"]["status"] == plan.OK, (key, cell)
-            assert cell["forward_backward"]["status"] == plan.OK, (key, cell)
-            assert cell["projection_gflops"] > 0, key
-            assert cell["forward"]["fraction_of_matmul"] > 0, key
-        if cell["impl"] in ("ours", "ours_core"):
-            # The projection timed beside each of its calls (after each, or
-            # in the rounds of the pair): its own rate.
-            for mode in config["modes"]:
-                assert cell[mode]["projection_gflops"] > 0, (key, mode)
-        else:
-            for mode in config["modes"]:
-                assert "projection_gflops" not in cell[mode], (key, mode)
-        if cell["scope"] == "layer":
-            forward = cell["forward"]
-            rate = forward.get("projection_gflops", cell["projection_gflops"])
-            assert forward["roofline_s"] == pytest.approx(
-                cell["layer_flops_forward"] / (rate * 1e9))
-            assert forward["fraction_of_matmul"] == pytest.approx(
-                1 / forward["time_over_roofline"])
-    if BACKEND == "torch":
-        flex = [c for c in cells.values() if c["impl"] == "flex_attention"]
-        assert all(c["forward_backward"]["status"] == plan.NOT_AVAILABLE
-                   for c in flex)
-        assert all("block_mask_s" in c["forward"] for c in flex
-                   if c["forward"]["status"] == plan.OK)
-
-
-@pytest.mark.training
-def test_quick_reports_matmul_fit_and_no_other_section(quick_run):
-    _, document, _ = quick_run
-    config = plan.load_config(None, "quick")
-    rates = document["matmul"][BACKEND]
-    assert rates["square"]["status"] == plan.OK
-    assert rates["square"]["gflops"] > 0
-    features = config["num_heads"] * config["key_dim"]
-    assert [(r["B"], r["T"], r["shape"]) for r in rates["projections"]] == [
-        (1, 256, [256, features, features]),
-        (1, 512, [512, features, features]),
-        (8, 256, [2048, features, features])]
-    assert all(r["status"] == plan.OK and r["gflops"] > 0
-               for r in rates["projections"])
-    fit = {row["impl"]: row for row in document["fit"]}
-    assert set(fit) == set(plan.FIT_IMPLS)
-    for row in fit.values():
-        assert row["status"] == plan.OK, row
-        assert (row["T"], row["w"], row["layers"]) == (256, 32, 1)
-        assert row["compiler"] in ("jit_compile=True", "jit_compile=False")
-        assert isinstance(row["jit_compile"], bool)
-        assert row["first_call_s"] > 0
-    assert fit["ours"]["keras_time_over_this"] == pytest.approx(
-        fit["keras"]["time_s"] / fit["ours"]["time_s"])
-    assert document["features"] == []  # --no-features
-    assert document["decode"] is None  # --no-decode
-
-
-@pytest.mark.training
-def test_quick_writes_plot_table_and_targets(quick_run):
-    result, document, out = quick_run
-    with open(out / "bench.png", "rb") as file:
-        assert file.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert "ours core" in result.stdout
-    assert "targets" in result.stdout
-    assert "Traceback" not in result.stderr
-    markdown = (out / "report.md").read_text(encoding="utf-8")
-    for text in (result.stdout, markdown):
-        assert "ours core" in text and "targets" in text
-        assert "projections (B*T, 512) @ (512, 512)" in text
-        assert "Fit: one train_on_batch step" in text
-    assert document["flops_definition"] == plan.FLOPS_DEFINITION
-    assert document["peak_memory"]["method"]
-    assert {t["status"] for t in document["targets"]} <= {
-        "met", "not met", "n/a", "info"}
-    found = [t["id"] for t in document["targets"]]
-    assert found[-2:] == ["no_regression", "fit_speed"]
-    assert {"roofline", "no_window_causal", "no_window_long"} <= set(found)
-
-
-@pytest.fixture(scope="module")
-def features_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bench-features")
-    result = run_bench("--quick", "--features", "--backends", BACKEND,
-                       "--out", "out", cwd=folder)
-    assert result.returncode == 0, result.stderr[-3000:]
-    with open(folder / "out" / "bench-features.json",
-              encoding="utf-8") as file:
-        document = json.load(file)
-    return result, document, folder / "out"
-
-
-def _feature_path(config, feature):
-    """What our layer answers for a feature cell of `config`."""
-    arguments, segments = worker.feature_arguments(feature, config)
-    spec = config["features"]
-    layer = keras_mha.MultiHeadAttention(
-        config["num_heads"], config["key_dim"], sliding_window=spec["window"],
-        **arguments)
-    shape = (config["batch"], spec["length"],
-             config["num_heads"] * config["key_dim"])
-    return layer.attention_path(shape, shape, use_causal_mask=spec["causal"],
-                                segment_ids=bool(segments))
-
-
-@pytest.mark.training
-def test_features_run_reports_every_feature_with_ratios(features_run):
-    result, document, out = features_run
-    config = plan.load_config(None, "quick")
-    spec = config["features"]
-    rows = {r["feature"]: r for r in document["features"]}
-    assert list(rows) == spec["features"]
-    for feature, row in rows.items():
-        assert (row["backend"], row["T"], row["w"], row["causal"]) == (
-            BACKEND, spec["length"], spec["window"], spec["causal"])
-        assert row["path"] == _feature_path(config, feature), row
-        for mode in spec["modes"]:
-            outcome = row[mode]
-            assert outcome["status"] == plan.OK, (feature, mode, outcome)
-            assert outcome["path"] == row["path"]
-            if feature == "plain":
-                assert "ratio_to_plain" not in outcome
-                continue
-            ratio = outcome["time_s"] / rows["plain"][mode]["time_s"]
-            assert outcome["ratio_to_plain"] == pytest.approx(ratio)
-            assert outcome["within_target"] == (
-                ratio <= report.MAX_FEATURE_RATIO)
-        assert row.get("target", "baseline") in {"met", "not met",
-                                                 "baseline"}
-    # The feature cells only: no matmul, attention cells, fit, decode or
-    # plot.
-    assert document["what"] == "keras-mha bench --features"
-    assert document["cells"] == [] and document["decode"] is None
-    assert document["fit"] == []
-    assert [t["id"] for t in document["targets"]] == ["feature_ratios"]
-    assert not (out / "bench.png").exists()
-    markdown = (out / "report-features.md").read_text(encoding="utf-8")
-    for text in (result.stdout, markdown):
-        assert f"features, {BACKEND}, T={spec['length']}" in text
-        assert "segment ids" in text and "x plain" in text
-    assert "Traceback" not in result.stderr
-
-
-@pytest.fixture(scope="module")
-def decode_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bench-decode")
-    result = run_bench("--quick", "--decode", "--backends", BACKEND,
-                       "--out", "out", cwd=folder)
-    assert result.returncode == 0, result.stderr[-3000:]
-    with open(folder / "out" / "bench-decode.json",
-              encoding="utf-8") as file:
-        document = json.load(file)
-    return result, document, folder / "out"
-
-
-@pytest.mark.training
-def test_decode_run_reports_every_step_with_its_ratios(decode_run):
-    _, document, _ = decode_run
-    spec = plan.load_config(None, "quick")["decode"]
-    units = plan.units_for(BACKEND, plan.load_config(None, "quick"),
-                           only="decode")
-    steps = {(r["impl"], r["cache"], r["slots"], r["position"]): r
-             for r in document["decode"]["steps"]}
-    expected = {(u.get("impl", "read"), u["cache"], u["slots"],
-                 u["position"]) for u in units
-                if u["kind"] in ("decode", "floor")}
-    assert set(steps) == expected
-    modes = plan.decode_modes(BACKEND)
-    first, last = spec["positions"][0], spec["positions"][-1]
-    full, short = spec["full_length"], spec["short_length"]
-    for key, row in steps.items():
-        row_modes = ([plan.fast_mode(BACKEND)] if row["impl"] == "read"
-                     else modes)
-        assert [m for m in plan.DECODE_MODES if m in row] == row_modes, key
-        for mode in row_modes:  # tiny sizes, keras-hub installed: all run
-            outcome = row[mode]
-            assert outcome["status"] == plan.OK, (key, mode, outcome)
-            # A group's steps (the floors with ours), call for call.
-            assert outcome["timing"] == "alternately", (key, mode)
-            assert outcome["ms_per_token"] == pytest.approx(
-                outcome["time_s"] * 1e3)
-    assert steps["read", "full", full, last]["reads"] == last + 1
-    assert steps["read", "rolling", spec["window"], None]["reads"] == (
-        spec["window"])
-    # Our cache and keras-hub's hold the same keys and values; ours adds a
-    # boolean flag per slot (a byte).
-    ours = steps["ours", "full", full, first][modes[0]]
-    theirs = steps["keras_hub", "full", full, first][modes[0]]
-    batch = plan.load_config(None, "quick")["batch"]
-    assert ours["cache_bytes"] == theirs["cache_bytes"] + batch * full
-    rolling = steps["ours", "rolling", spec["window"], first][modes[0]]
-    assert rolling["cache_bytes"] * full == ours["cache_bytes"] * (
-        spec["window"])
-    for mode in modes:
-        step = steps["ours", "full", full, first][mode]
-        assert step["keras_hub_over_this"] == pytest.approx(
-            steps["keras_hub", "full", full, first][mode]["time_s"]
-            / step["time_s"])
-        assert step["over_short_cache"] == pytest.approx(
-            step["time_s"] / steps["ours", "full", short, first][mode][
-                "time_s"])
-        assert "over_first_position" in (
-            steps["ours", "rolling", spec["window"], last][mode])
-    fast = plan.fast_mode(BACKEND)
-    step = steps["ours", "full", full, last][fast]
-    fixed = steps["ours", "full", full, plan.FIXED_POSITION][fast]
-    floor = steps["read", "full", full, last][fast]
-    assert step["over_floor_after_fixed"] == pytest.approx(
-        (step["time_s"] - fixed["time_s"]) / floor["time_s"])
-    assert "over_floor_after_fixed" in (
-        steps["ours", "rolling", spec["window"], last][fast])
-
-
-@pytest.mark.training
-def test_decode_run_reports_generate_prefill_and_targets(decode_run):
-    result, document, out = decode_run
-    spec = plan.load_config(None, "quick")["decode"]
-    generate = {r["impl"]: r for r in document["decode"]["generate"]}
-    assert set(generate) == set(plan.DECODE_IMPLS)
-    tokens = spec["generate"]["max_length"] - spec["generate"][
-        "prompt_length"]
-    for row in generate.values():
-        assert row["status"] == plan.OK, row
-        assert row["tokens"] == tokens and len(row["generated"]) == tokens
-        assert row["tokens_per_s"] == pytest.approx(tokens / row["time_s"])
-    # The same weights and greedy sampling: the same tokens.
-    assert generate["ours"]["same_tokens"], generate
-    # Timed call for call in one run: the same rounds under one meter.
-    ours, theirs = generate["ours"], generate["keras_hub"]
-    assert len(ours["times_s"]) == len(theirs["times_s"]) == ours["repeats"]
-    assert ours["rss_peak_bytes"] == theirs["rss_peak_bytes"]
-    assert generate["ours"]["over_keras_hub"] == pytest.approx(
-        generate["ours"]["tokens_per_s"]
-        / generate["keras_hub"]["tokens_per_s"])
-    prefill = {(r["cache"], r["w"]): r for r in document["decode"]["prefill"]}
-    window = spec["prefill"]["window"]
-    assert set(prefill) == {("none", window), ("rolling", window),
-                            ("none", None), ("full", None)}
-    for (cache, w), row in prefill.items():
-        assert row["T"] == spec["prefill"]["length"]
-        for mode in plan.decode_modes(BACKEND):
-            outcome = row[mode]
-            assert outcome["status"] == plan.OK, (cache, w, mode, outcome)
-            # With and without a cache, call for call.
-            assert outcome["timing"] == "alternately", (cache, w, mode)
-            if cache == "none":
-                assert outcome["path"] in dispatch.PATHS
-            else:
-                assert outcome["over_no_cache"] == pytest.approx(
-                    outcome["time_s"] / prefill["none", w][mode]["time_s"])
-    # The decode cells only: no matmul, attention cells, features or plot.
-    assert document["what"] == "keras-mha bench --decode"
-    assert document["cells"] == [] and document["features"] == []
-    assert document["matmul"] == {} and document["fit"] == []
-    assert [t["id"] for t in document["targets"]] == [
-        "decode_cache_size", "decode_vs_keras_hub", "decode_floor",
-        "rolling_decode", "generate_speed", "prefill_ratio"]
-    assert {t["status"] for t in document["targets"]} <= {"met", "not met"}
-    assert not (out / "bench.png").exists()
-    markdown = (out / "report-decode.md").read_text(encoding="utf-8")
-    for text in (result.stdout, markdown):
-        assert f"decode, {BACKEND}" in text
-        assert "read (floor)" in text and "keras-hub" in text
-        assert "GPT-2 generate" in text and "x no cache" in text
-        for target in document["targets"]:
-            assert target["target"] in text
-    assert "Traceback" not in result.stderr
+pytestmark = pytest.mark.backend_free
 
 
 # ------------------------------------------------------------ report.md
@@ -418,7 +70,7 @@ def _finished_run(backend="jax"):
     features = report.build_features(units, results)
     fit = report.build_fit(units, results)
     return {
-        "what": "keras-mha bench", "config": config, "backends": [backend],
+        "what": "python -m benchmarks", "config": config, "backends": [backend],
         "machine": {"platform": "Linux", "processor": "x86_64", "cpus": 2,
                     "python": "3.11.0"},
         "backend_info": {backend: {"version": "0.0", "keras": "3.15.1"}},
@@ -435,7 +87,7 @@ def test_report_md_has_every_row_of_the_terminal_report(tmp_path):
     path = tmp_path / "report.md"
     report.write_markdown(path, document, "bench.json")
     text = path.read_text(encoding="utf-8")
-    assert text.startswith("# `keras-mha bench`\n")
+    assert text.startswith("# `python -m benchmarks`\n")
     assert "`bench.json`" in text and "jax 0.0, keras 3.15.1" in text
     assert text.count("```") == 2  # one text block
     lines = text.splitlines()
@@ -490,7 +142,7 @@ for line in sys.stdin:
 def test_runner_kills_hung_workers_and_abandons_compilers(
     tmp_path, monkeypatch
 ):
-    from keras_mha.cli.bench import runner
+    from benchmarks import runner
 
     monkeypatch.setattr(runner, "worker_command",
                         lambda path: [sys.executable, "-c", _FAKE_WORKER])
@@ -547,10 +199,10 @@ def test_runner_kills_hung_workers_and_abandons_compilers(
 )
 def test_errors_are_one_line(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["bench", *args]) == 2
+    assert command.main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert err.startswith("keras-mha: error: ")
+    assert err.startswith("python -m benchmarks: error: ")
     assert message in err
 
 
@@ -592,15 +244,15 @@ def test_errors_are_one_line(args, message, capsys, tmp_path, monkeypatch):
 def test_config_errors(tmp_path, capsys, config, args, message):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(config))
-    assert cli.main(["bench", "--config", str(path), *args]) == 2
+    assert command.main(["--config", str(path), *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert message in err
 
 
 def test_default_config_is_valid(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the packaged matrix, not the checkout's
-    folder = os.path.join(os.path.dirname(cli.__file__), "matrices")
+    monkeypatch.chdir(tmp_path)  # found beside the code, from any folder
+    folder = os.path.dirname(os.path.abspath(plan.__file__))
     assert plan.load_config(None)["source"] == os.path.join(folder,
                                                             "bench.json")
     for profile in (None, "quick", "long"):
@@ -1303,50 +955,16 @@ def test_targets_compare_the_reference_cell():
         "torch: keras/ours = 10.0x; jax: keras/ours = 10.0x")
 
 
-@pytest.mark.skipif(backends.get(BACKEND) is None,
-                    reason=f"the bench has no {BACKEND} worker")
-def test_cells_without_a_window_pair_keras_and_ours_while_calls_are_short():
-    config = plan.load_config(None, "quick")
-    bench_worker = worker.Worker(config)
-    cell = {"kind": "attention", "backend": BACKEND, "B": config["batch"],
-            "T": 4096, "causal": True, "mode": "forward"}
-    keras_unit = dict(cell, impl="keras", w=None)
-
-    def ran(seconds):  # Keras's layer at T=1,024 took `seconds` a call
-        return [dict(cell, impl="keras", w=None, T=1024, status=plan.OK,
-                     time_s=seconds)]
-
-    # 16x a dense call at a quarter of T: 1.6 s pairs, 16 s does not.
-    assert bench_worker._paired(keras_unit, "dense", ran(0.1))
-    assert not bench_worker._paired(keras_unit, "dense", ran(1.0))
-    # Nothing shorter ran: its FLOPs at the slow rate (2.6 s at T=4,096).
-    assert bench_worker._paired(keras_unit, "dense", [])
-    assert not bench_worker._paired(dict(keras_unit, T=65536), "dense", [])
-    # A window shorter than T is never paired; one of T or more is.
-    assert not bench_worker._paired(dict(keras_unit, w=128), "banded", [])
-    assert bench_worker._paired(dict(keras_unit, w=4096), "dense", [])
-    # Our layer pairs only where Keras's unit of its mode timed it.
-    ours = dict(cell, impl="ours", w=None)
-    assert not bench_worker._paired(ours, "dense", [])
-    small = config["small"]
-    for impl in plan.PAIRED_IMPLS:  # the small cells always pair
-        unit = dict(cell, impl=impl, w=None, B=small["batch"],
-                    T=small["lengths"][0])
-        assert bench_worker._paired(unit, "dense", [])
+# ------------------------------------------------------------ collection
 
 
-@pytest.mark.skipif(backends.get(BACKEND) is None,
-                    reason=f"the bench has no {BACKEND} worker")
-def test_alternate_timing_takes_turns():
-    bench_worker = worker.Worker(plan.load_config(None, "quick"))
-    calls = []
-    results = bench_worker.time_alternately(
-        [(name, functools.partial(calls.append, name)) for name in "ab"],
-        3, "both")
-    # Two rounds of warm-up calls, then three timed rounds, every other one
-    # in reverse order.
-    assert calls == ["a", "b"] * 2 + ["a", "b", "b", "a", "a", "b"]
-    assert set(results) == {"a", "b"}
-    for result in results.values():
-        assert result["repeats"] == 3 and len(result["times_s"]) == 3
-        assert result["compiler"] == "both"
+@pytest.mark.parametrize("backends, chosen", [
+    ("tensorflow,jax,torch,numpy", "numpy"),
+    ("jax,torch", "jax"),
+    ("torch", "torch"),
+    ("", None),  # plain pytest: collected on its backend
+])
+def test_backend_free_tests_are_collected_on_one_backend(backends, chosen,
+                                                          monkeypatch):
+    monkeypatch.setenv("KERAS_MHA_TEST_BACKENDS", backends)
+    assert conftest.backend_free_backend() == chosen

@@ -1,11 +1,11 @@
-"""Results of `keras-mha bench` as cells, targets, a table, JSON and a plot."""
+"""Results of `python -m benchmarks` as cells, targets, a table, JSON and a plot."""
 
 import json
 import math
 import os
 import re
 
-from keras_mha.cli.bench import plan
+from benchmarks import plan
 from keras_mha.cli.common import CLIError
 
 MIB = 2**20
@@ -1371,10 +1371,12 @@ def write_markdown(path, document, json_name):
              if info.get("keras")}
     if keras:
         versions += f", keras {', '.join(sorted(keras))}"
+    commit = document.get("commit")
+    where = f" of commit {commit[:12]}" if commit else ""
     lines = [
         f"# `{document['what']}`",
         "",
-        f"{document['seconds']:.0f} s on {machine['platform']} "
+        f"{document['seconds']:.0f} s{where} on {machine['platform']} "
         f"({machine['processor']}, {machine['cpus']} CPUs, Python "
         f"{machine['python']}); {versions or 'no backend started'}. Every "
         f"unit, with the reason of each skip, is in `{json_name}`.",
@@ -1459,7 +1461,7 @@ def write_plot(path, document):
     if legend:
         figure.legend(legend.values(), legend.keys(), loc="outside lower "
                       "center", ncol=min(len(legend), 5), fontsize=8)
-    figure.suptitle("keras-mha bench: {mask}, B={batch}, N={num_heads}, "
+    figure.suptitle("benchmarks: {mask}, B={batch}, N={num_heads}, "
                     "H={key_dim}; solid forward, dashed forward+backward"
                     .format(mask="causal" if causal else "bidirectional",
                             **document["config"]), fontsize=11)

@@ -1,4 +1,4 @@
-"""`keras-mha bench`: its arguments and the run (see the package's doc)."""
+"""`python -m benchmarks`: its arguments and the run (see the package's doc)."""
 
 import os
 import platform
@@ -6,19 +6,22 @@ import sys
 import time
 
 from keras_mha.cli.common import CLIError
+from keras_mha.cli.common import Parser
 from keras_mha.cli.common import backend_installed
+from keras_mha.cli.common import guarded
 from keras_mha.cli.common import positive_float
 from keras_mha.cli.common import positive_int
 
+PROG = "python -m benchmarks"
 DEFAULT_OUT = "bench-out"
 
 
-def add_parser(commands):
-    """Registers `bench` on the `keras-mha` subcommand parsers."""
-    parser = commands.add_parser(
-        "bench",
-        help="speed and memory: ours vs keras vs native attention",
-        description="Times keras_mha.MultiHeadAttention, "
+def build_parser():
+    """The parser of `python -m benchmarks`."""
+    parser = Parser(
+        prog=PROG,
+        description="The development benchmarks of keras-mha. Times "
+        "keras_mha.MultiHeadAttention, "
         "keras.layers.MultiHeadAttention and native attention kernels "
         "(forward, forward+backward, peak memory) on each backend, each in "
         "its own process, against a roofline from the layer's own "
@@ -29,8 +32,8 @@ def add_parser(commands):
         "keras-hub's CachedMultiHeadAttention per token, eager and "
         "compiled, against the floor of reading the cache, a tiny GPT-2 "
         "generate with either attention, and a prefill through the cache. "
-        "Matrix: --config FILE, by default the packaged "
-        "keras_mha/cli/matrices/bench.json.",
+        "Reports the acceptance targets as met or not met. Matrix: --config "
+        "FILE, by default benchmarks/bench.json.",
     )
     parser.add_argument("--backends", metavar="A,B",
                         help="comma-separated (default: the config's, where "
@@ -79,14 +82,19 @@ def add_parser(commands):
                         help=f"folder for bench.json, report.md and "
                         f"bench.png (default {DEFAULT_OUT})")
     parser.add_argument("--config", metavar="FILE",
-                        help="matrix (default: the packaged "
-                        "keras_mha/cli/matrices/bench.json)")
+                        help="matrix (default: benchmarks/bench.json)")
     return parser
 
 
+def main(argv=None):
+    """Entry point of `python -m benchmarks`; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return guarded(lambda: run(build_parser().parse_args(argv)), PROG)
+
+
 def run(args):
-    """`keras-mha bench`: returns the exit code."""
-    from keras_mha.cli.bench import plan
+    """Runs the parsed `args`; returns the exit code."""
+    from benchmarks import plan
 
     if args.quick and args.long:
         raise CLIError("--quick and --long exclude each other")
@@ -134,7 +142,7 @@ def run(args):
         raise CLIError("none of the backends "
                        f"{', '.join(config['backends'])} is installed")
     config["backends"] = backends
-    from keras_mha.cli.bench import report
+    from benchmarks import report
 
     out = report.check_output_folder(args.out)
     case = "long" if args.long else only
@@ -149,9 +157,9 @@ def _bench(config, out, case, skipped):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
                                TextColumn, TimeElapsedColumn)
 
-    from keras_mha.cli.bench import plan
-    from keras_mha.cli.bench import report
-    from keras_mha.cli.bench import runner
+    from benchmarks import plan
+    from benchmarks import report
+    from benchmarks import runner
 
     only = case if case in ("features", "decode") else None
     units = {b: plan.units_for(b, config, only=only)
@@ -193,9 +201,10 @@ def _bench(config, out, case, skipped):
         features = report.build_features(units, bench.results, missing)
         fit = report.build_fit(units, bench.results, missing)
         found = {
-            "what": "keras-mha bench" + (f" --{case}" if case else ""),
+            "what": PROG + (f" --{case}" if case else ""),
             "config": config,
             "machine": _machine(),
+            "commit": _commit(),
             "backends": config["backends"],
             "backend_info": bench.backends,
             "flops_definition": plan.FLOPS_DEFINITION,
@@ -251,6 +260,19 @@ def _bench(config, out, case, skipped):
     return 1 if failed else 0
 
 
+def _commit():
+    """The checkout's commit (as asv records one per result), or `None`."""
+    import subprocess
+
+    try:
+        found = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return found.stdout.strip() or None
+
+
 def _machine():
     return {"platform": platform.platform(), "processor":
             platform.processor() or platform.machine(),
@@ -258,7 +280,7 @@ def _machine():
 
 
 def _memory_method(backends):
-    from keras_mha.cli.bench import memory
+    from benchmarks import memory
 
     methods = sorted({info.get("memory_method") for info in backends.values()
                       if info.get("memory_method")})

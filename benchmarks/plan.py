@@ -1,4 +1,4 @@
-"""What `keras-mha bench` measures: the configuration, the units, the FLOPs
+"""What `python -m benchmarks` measures: the configuration, the units, the FLOPs
 and the caps. Nothing here touches a backend.
 
 A *cell* is one (backend, B, T, w, causal, implementation); it is measured
@@ -45,7 +45,6 @@ import os
 import numpy as np
 
 from keras_mha.cli.common import CLIError
-from keras_mha.cli.common import packaged_matrix
 from keras_mha.cli.common import read_json
 
 BENCH_BACKENDS = ("tensorflow", "jax", "torch")
@@ -149,12 +148,13 @@ _PROFILES = ("quick", "long")
 
 
 def default_config_path():
-    """The matrix shipped with the package, `matrices/bench.json`."""
-    return packaged_matrix("bench.json")
+    """The default matrix, `benchmarks/bench.json`."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                        "bench.json")
 
 
 def load_config(path=None, profile=None, overrides=None):
-    """The checked configuration: the file (the packaged `bench.json` by
+    """The checked configuration: the file (`benchmarks/bench.json` by
     default; fields it leaves out take `_DEFAULTS`), then the profile
     (`quick` or `long`, an object of the file), then command-line
     overrides."""
@@ -180,8 +180,7 @@ def load_config(path=None, profile=None, overrides=None):
     config = _merge(config, {k: v for k, v in (overrides or {}).items()
                              if v is not None})
     _check(config, where)
-    config["source"] = (os.path.abspath(path)
-                        if isinstance(path, (str, os.PathLike)) else str(path))
+    config["source"] = os.path.abspath(path)
     config["profile"] = profile or "default"
     return config
 

@@ -33,10 +33,12 @@ import tempfile
 import threading
 import time
 
-from keras_mha.cli.bench import memory
-from keras_mha.cli.bench import plan
+from benchmarks import memory
+from benchmarks import plan
 from keras_mha.cli.common import backend_env
 
+# The checkout that holds `benchmarks/`: its `keras_mha` is the one measured.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_TIMEOUT = 300.0
 _POLL = 0.2
 _MARGIN = 2**30  # left to the rest of the machine
@@ -58,8 +60,13 @@ class _Worker:
     """One worker process and a thread that reads its protocol lines."""
 
     def __init__(self, backend, config_path, log_path):
-        env = backend_env(backend)
+        # The log keeps the backends' warnings and errors (a worker's last
+        # line says why it died).
+        env = backend_env(backend, quiet=False)
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(
+            [ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
         # No pool of compile processes: their memory would escape the
         # meter, and the machine's cores are the benchmark's.
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -118,8 +125,7 @@ class _Worker:
         self.stderr.seek(self._log_start)
         lines = [l.strip() for l in self.stderr.read().splitlines()
                  if l.strip()]
-        ours = [l for l in lines if l.startswith("keras-mha: error:")]
-        return (ours or lines or ["no output"])[-1][:300]
+        return (lines or ["no output"])[-1][:300]
 
     def wait(self, events, timeout, rss_limit=None):
         """The next message whose event is in `events`, or, if the worker
@@ -315,7 +321,7 @@ class Runner:
 
 def worker_command(config_path):
     """The command line of a worker process."""
-    return [sys.executable, "-m", "keras_mha.cli.bench.worker", config_path]
+    return [sys.executable, "-m", "benchmarks.worker", config_path]
 
 
 def first_call_timeout(config):

@@ -1,6 +1,6 @@
 """The benchmark worker: one process, one backend (`KERAS_BACKEND`).
 
-Started by the parent as `python -m keras_mha.cli.bench.worker CONFIG.json`.
+Started by the parent as `python -m benchmarks.worker CONFIG.json`.
 It reads one message per line on stdin, `{"unit", "history",
 "memory_cap_bytes", "skip_compilers"}`, and answers on its original stdout
 with `{"event": "trying"}` and `{"event": "warm"}` around each first call,
@@ -46,9 +46,9 @@ from unittest import mock
 
 import numpy as np
 
-from keras_mha.cli.bench import backends
-from keras_mha.cli.bench import memory
-from keras_mha.cli.bench import plan
+from benchmarks import backends
+from benchmarks import memory
+from benchmarks import plan
 from keras_mha.cli.common import backend_version
 
 _OOM = re.compile(

@@ -1,9 +1,15 @@
-"""`keras-mha bench`: speed and memory of our layer, Keras's and native peers.
+"""The development benchmarks: speed and memory of our layer, Keras's and
+native peers, against the project's acceptance targets.
+
+Run from the repository root: `python -m benchmarks [--quick] ...` (`--help`
+for the flags). This folder is not part of the package: the wheel ships
+`keras_mha` only, the library and its command line never import it, and it
+imports them. Users time their own shapes with `keras-mha bench`. Its tests
+are in `tests/` here, run by `keras-mha test` with the project's.
 
 For each installed backend (tensorflow, jax, torch; NumPy has no compiler
 and no autodiff and is not benchmarked), T, window w and causal setting of
-the matrix (`--config FILE`, by default `matrices/bench.json`, shipped with
-the package), with B=1, N=8, H=64 (E=512), and for the small-model cells
+the matrix (`--config FILE`, by default `benchmarks/bench.json`), with B=1, N=8, H=64 (E=512), and for the small-model cells
 of its `small` section (B=8, T in {128, 256, 512}, w in {none, 64};
 keras, ours and ours_core; Keras's layer and ours timed alternately, call
 for call, so that their ratio is measured over the same seconds), it times
