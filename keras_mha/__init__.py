@@ -12,6 +12,7 @@ before any name is read.
 
 import importlib
 import sys
+import typing
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,15 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+if typing.TYPE_CHECKING:  # for static readers: type checkers, the API docs
+    from keras_mha.cached import CachedMultiHeadAttention
+    from keras_mha.convert import from_keras
+    from keras_mha.convert import from_torch
+    from keras_mha.distribution import layout_map
+    from keras_mha.grouped import GroupedQueryAttention
+    from keras_mha.layer import MultiHeadAttention
+    from keras_mha.rotary import RotaryEmbedding
 
 
 def _load():

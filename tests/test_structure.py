@@ -264,3 +264,18 @@ def test_the_package_loads_its_names_on_first_use():
     assert found["registered"] == ["CachedMultiHeadAttention",
                                    "GroupedQueryAttention",
                                    "MultiHeadAttention", "RotaryEmbedding"]
+
+
+def test_static_imports_of_the_package_match_its_exports():
+    # The package loads its names lazily; the `TYPE_CHECKING` imports are
+    # what static readers (the API reference, type checkers) see.
+    import keras_mha
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8"))
+    static = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            for inner in node.body:
+                if isinstance(inner, ast.ImportFrom):
+                    static.update({a.name: inner.module for a in inner.names})
+    assert static == keras_mha._EXPORTS
