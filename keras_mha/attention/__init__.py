@@ -16,13 +16,16 @@ masks from the spec with the position rule of `masks.py`:
 - `kernels.py`: backend kernels behind the portable paths' interfaces,
   `cache_kernels.py` the cache's in-place writes and `decode_kernels.py`
   the eager decode step's (torch's fused kernel over the slots; on
-  TensorFlow and JAX the step compiled as one function).
+  TensorFlow and JAX the step compiled as one function);
+- `tuning.py`: the numbers the rule and the algorithms read, per backend
+  and platform.
 
 Nothing here imports the layer or the command line.
 """
 
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import dispatch
+from keras_mha.attention import tuning
 from keras_mha.attention.banded import banded_attention
 from keras_mha.attention.blocked import blocked_attention
 from keras_mha.attention.decode import decode_attention
@@ -45,7 +48,10 @@ def attend(query, key, value, spec):
         `(output, weights)`: `(B, T, N, V)` in the query's dtype, and the
         `(B, N, T, S)` weights when `spec.return_weights` (else `None`).
     """
-    path = dispatch.choose_path(spec, dispatch.Shapes.of(query, key, value))
+    path = dispatch.choose_path(
+        spec, dispatch.Shapes.of(query, key, value),
+        platform=tuning.device_platform(query),
+    )
     if path == dispatch.EXPLICIT:
         output, weights = explicit_attention(query, key, value, spec)
         return output, weights if spec.return_weights else None
@@ -109,4 +115,4 @@ def attend_cached(query, key, value, spec, cache, index, rolling):
     return output, weights, new_cache
 
 
-__all__ = ["AttentionSpec", "attend", "attend_cached", "dispatch"]
+__all__ = ["AttentionSpec", "attend", "attend_cached", "dispatch", "tuning"]

@@ -2,26 +2,27 @@
 
 Every path computes the same function of the spec (see `explicit.py`);
 this module answers which paths can serve a call (`can_serve`) and which
-is cheapest (`choose_path`):
+is cheapest (`choose_path`). The numbers are entries of the tuning table
+(`tuning.py`), looked up for the backend and the platform:
 
 1. `banded` when a window is set, the keys sit at their own positions (no
    cache; the queries' offset is a Python int), no dense `attention_mask`
    or `attention_bias` is given, no weights are returned (dropout,
    soft-cap, sinks, ALiBi and segment ids are fine: the band computes them
    block by block), and the keys are long
-   compared with the window: `S >= BANDED_MIN_RATIO * w` and
-   `S >= BANDED_MIN_LENGTH`, `w = max(left, right) + 1`. Below that the
+   compared with the window: `S >= banded_min_ratio * w` and
+   `S >= banded_min_length`, `w = max(left, right) + 1`. Below that the
    band covers most of the `T x S` matrix and the fused kernel wins.
 2. `explicit` when the weights are returned or dropped out.
 3. `blocked` for causal self-attention without a window, dense mask or
    bias, or cache once `T = S` reaches the backend's
-   `BLOCKED_MIN_LENGTH`: an online softmax over the key blocks up to each
+   `blocked_min_length`: an online softmax over the key blocks up to each
    query block, in O(T) memory forward and backward, where the backends'
    CPU kernels (JAX, TensorFlow) write the whole `T x T` scores. On torch,
    whose CPU kernel never writes the scores, only for what that kernel
    cannot take (a soft-cap). Not when `flash_attention=True`.
 4. `triangular` on JAX for what `blocked` does not take (a dense bias)
-   once `T = S >= TRIANGULAR_MIN_LENGTH`: blocks of queries over the keys
+   once `T = S >= triangular_min_length`: blocks of queries over the keys
    up to their position skip the upper triangle.
 5. `fused` (`keras.ops.dot_product_attention`) otherwise, or `explicit`
    where the fused kernel does not take the head sizes (`H != V` on JAX)
@@ -37,12 +38,12 @@ tokens at their positions on `fused` or `explicit`.
 import collections
 import contextlib
 import contextvars
-import math
 import numbers
 
 import keras
 
 import keras_mha.attention.fused as fused
+import keras_mha.attention.tuning as tuning
 
 FUSED = "fused"
 EXPLICIT = "explicit"
@@ -50,22 +51,6 @@ BANDED = "banded"
 TRIANGULAR = "triangular"
 BLOCKED = "blocked"
 PATHS = (FUSED, EXPLICIT, BANDED, TRIANGULAR, BLOCKED)
-
-# Measured on a 2-core CPU (see the README's benchmark): the banded path
-# wins once the keys span a few windows.
-BANDED_MIN_RATIO = 4
-BANDED_MIN_LENGTH = 256
-# Measured on a 2-core CPU (JAX, N = 8, H = 64): at T = 1024 the triangle
-# took a third of the fused kernel's time, at T = 512 they were even.
-TRIANGULAR_MIN_LENGTH = 1024
-TRIANGULAR_BACKENDS = ("jax",)
-# Measured on a 2-core CPU (B = 1, N = 8, H = 64, causal; forward and
-# forward+backward): on JAX the blocks beat the fused kernel and the
-# triangle from T = 512 (at T = 1024, 19 ms against 66 and 53 forward); on
-# TensorFlow, under `tf.function` without XLA, the fused kernel is even up
-# to T = 1024 and 1.7x slower at T = 2048; torch's kernel never writes the
-# scores, so there the blocks serve only what it cannot (a soft-cap).
-BLOCKED_MIN_LENGTH = {"jax": 512, "tensorflow": 2048, "torch": 1024}
 
 PROMPT = "prompt"
 IN_PLACE = "in_place"
@@ -111,16 +96,17 @@ def force_path(path):
         _forced.reset(token)
 
 
-def banded_pays_off(window, query_length, key_length):
+def banded_pays_off(window, query_length, key_length, backend=None,
+                    platform=None):
     """Whether the band `(left, right)` is small enough against `S` to
-    compute it alone."""
-    return (
-        window is not None
-        and query_length is not None
-        and key_length is not None
-        and key_length >= BANDED_MIN_LENGTH
-        and key_length >= BANDED_MIN_RATIO * (max(window) + 1)
+    compute it alone (`banded_min_length`, `banded_min_ratio`)."""
+    if window is None or query_length is None or key_length is None:
+        return False
+    ratio, length = (
+        tuning.value(name, backend=backend, platform=platform)
+        for name in ("banded_min_ratio", "banded_min_length")
     )
+    return key_length >= length and key_length >= ratio * (max(window) + 1)
 
 
 def can_serve(path, spec, shapes, backend=None):
@@ -169,34 +155,40 @@ def _causal_self_blocks(spec, shapes, static):
     )
 
 
-def choose_path(spec, shapes, backend=None):
+def choose_path(spec, shapes, backend=None, platform=None):
     """The name of the path that runs `spec` at these shapes.
 
     Args:
         spec: the call's `AttentionSpec`.
         shapes: its `Shapes`.
         backend: backend name; the active one by default.
+        platform: `"cpu"`, `"gpu"` or `"tpu"`; by default
+            `tuning.device_platform()` (`attend` passes the queries').
     """
     backend = backend or keras.backend.backend()
+    platform = platform or tuning.device_platform()
     forced = _forced.get()
     if forced is not None and can_serve(forced, spec, shapes, backend):
         return forced
+
+    def setting(name):
+        return tuning.value(name, backend=backend, platform=platform)
+
     if can_serve(BANDED, spec, shapes, backend) and banded_pays_off(
-        spec.window, shapes.query_length, shapes.key_length
+        spec.window, shapes.query_length, shapes.key_length, backend, platform
     ):
         return BANDED
     if spec.return_weights or spec.dropout:
         return EXPLICIT
     if (
         can_serve(BLOCKED, spec, shapes, backend)
-        and shapes.query_length >= BLOCKED_MIN_LENGTH.get(backend, math.inf)
+        and shapes.query_length >= setting("blocked_min_length")
         and (backend != "torch" or not can_serve(FUSED, spec, shapes, backend))
     ):
         return BLOCKED
     if (
-        backend in TRIANGULAR_BACKENDS
-        and can_serve(TRIANGULAR, spec, shapes, backend)
-        and shapes.query_length >= TRIANGULAR_MIN_LENGTH
+        can_serve(TRIANGULAR, spec, shapes, backend)
+        and shapes.query_length >= setting("triangular_min_length")
     ):
         return TRIANGULAR
     return FUSED if can_serve(FUSED, spec, shapes, backend) else EXPLICIT
