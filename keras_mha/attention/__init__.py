@@ -5,7 +5,8 @@ the spec and the shapes and runs one of the paths, each of which builds its
 masks from the spec with the position rule of `masks.py`:
 
 - `explicit.py`: materialized `(B, N, T, S)` weights (the reference);
-- `fused.py`: `keras.ops.dot_product_attention`;
+- `fused.py`: `keras.ops.dot_product_attention`, and JAX's kernel with
+  its own window;
 - `banded.py`: sliding windows in O(T·w);
 - `blocked.py`: causal self-attention in O(T) memory (an online softmax
   over key blocks, FlashAttention-2's recurrence);
@@ -31,6 +32,7 @@ from keras_mha.attention.blocked import blocked_attention
 from keras_mha.attention.decode import decode_attention
 from keras_mha.attention.explicit import explicit_attention
 from keras_mha.attention.fused import fused_attention
+from keras_mha.attention.fused import fused_window_attention
 from keras_mha.attention.spec import AttentionSpec
 from keras_mha.attention.triangular import triangular_attention
 
@@ -61,6 +63,8 @@ def attend(query, key, value, spec):
         return banded_attention(query, key, value, spec), None
     if path == dispatch.BLOCKED:
         return blocked_attention(query, key, value, spec), None
+    if path == dispatch.FUSED_WINDOW:
+        return fused_window_attention(query, key, value, spec), None
     return triangular_attention(query, key, value, spec), None
 
 

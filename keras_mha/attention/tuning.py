@@ -8,7 +8,10 @@ platform may be `ANY`; a lookup takes the first of `(backend, platform)`,
 
 The platform is the kind of device the backend computes on: `cpu`, `gpu`
 (any accelerator other than a TPU: CUDA, ROCm, Metal...) or `tpu`
-(`device_platform`). The values were measured on CPUs.
+(`device_platform`). The paths' thresholds were measured on CPUs. On the
+other platforms nothing was measured, and the dispatch rule follows Keras's
+own layer there (`follow_keras`, see `dispatch.py`); our algorithms' block
+sizes keep the CPU's values for the calls that still reach them.
 
 Overrides, for tests and benchmark sweeps: a value in `OVERRIDES` (name ->
 value) wins over the table on every backend and platform, and the
@@ -41,6 +44,47 @@ _SWEEP = "KERAS_MHA_TUNING={} " + _BENCH
 _MiB = 1 << 20
 
 TABLE = {
+    # ---------------------------------------------------------------- rule
+    "follow_keras": {
+        (ANY, CPU): Entry(
+            False,
+            "the thresholds below are measured on CPUs: the rule picks the "
+            "fastest path there",
+            _BENCH + " --backends tensorflow,jax,torch",
+        ),
+        (ANY, ANY): Entry(
+            True,
+            "nothing is measured here: a call Keras's layer sends to its "
+            "fused kernel goes to that kernel",
+            _BENCH + " --backends tensorflow,jax,torch  # on a GPU or TPU",
+        ),
+    },
+    "dense_scores_budget": {
+        (ANY, ANY): Entry(
+            1 << 30,
+            "(B, N, T, S) float32 scores above 1 GiB leave a 16 GiB "
+            "accelerator too little for the backward's copies: a window "
+            "that large runs banded, in O(T·w)",
+            _BENCH + " --backends jax --lengths 4096,16384 --windows 128  "
+            "# peak memory, on a GPU",
+        ),
+    },
+    "native_window": {
+        ("jax", GPU): Entry(
+            True,
+            "`jax.nn.dot_product_attention(local_window_size=...)` runs "
+            "cuDNN's flash kernel on half precision, skipping the keys "
+            "outside a one-sided window",
+            _BENCH + " --backends jax --lengths 4096,16384 --windows 128,512"
+            "  # on a GPU",
+        ),
+        (ANY, ANY): Entry(
+            False,
+            "no kernel of the backend skips a window's keys here (JAX's "
+            "off GPUs is XLA's dense softmax with the window as a mask)",
+            _BENCH + " --backends jax --lengths 4096,16384 --windows 128,512",
+        ),
+    },
     # ---------------------------------------------------------- thresholds
     "banded_min_ratio": {
         (ANY, ANY): Entry(
