@@ -311,7 +311,7 @@ def capped_attention():
     """`torch.autograd.Function` of the soft-capped blocks.
 
     Forward: per step of `capped_chunk` query blocks (`tuning.py`; a
-    step's scores are `4 · B·K · G·b · span` bytes), the logits
+    step's scores are `capped_chunk · B·K · G·b · span` floats), the logits
     `cap·tanh(q·k·scale/cap)` (+ ALiBi), masked, go through a softmax with
     the sinks in its denominator, in place; only the output and each
     row's log-sum-exp are kept. Backward: the step's weights are recomputed

@@ -348,7 +348,11 @@ def value(name, like=None, backend=None, platform=None):
     if name in OVERRIDES:
         return OVERRIDES[name]
     if platform is None:
-        platform = device_platform(*(() if like is None else (like,)))
+        entries = TABLE.get(name, {})
+        if all(key[1] == ANY for key in entries):
+            platform = ANY  # the same on every platform: no need to ask
+        else:
+            platform = device_platform(*(() if like is None else (like,)))
     return entry(name, backend, platform).value
 
 
