@@ -97,7 +97,8 @@ def attention_path(
             key_positions=keras.KerasTensor((None,), dtype="int32"),
         )
         s_len = None
-    shapes = dispatch.Shapes(t_len, s_len, layer._key_dim, layer._value_dim)
+    shapes = dispatch.Shapes(t_len, s_len, layer._key_dim, layer._value_dim,
+                             batch, heads)
     return dispatch.choose_path(spec, shapes)
 
 

@@ -21,6 +21,7 @@ from util import to_numpy
 import keras_mha
 from keras_mha.attention import banded
 from keras_mha.attention import explicit
+from keras_mha.attention import tuning
 
 IMPLEMENTATIONS = [banded.PORTABLE] + (
     [banded.NATIVE] if banded.native_available() else []
@@ -195,7 +196,7 @@ class TestGeometry:
 
     def test_many_chunks(self, rng, implementation, monkeypatch):
         # Small chunks: the portable path maps over many of them.
-        monkeypatch.setattr(banded, "CHUNK_BYTES", 1)
+        monkeypatch.setitem(tuning.OVERRIDES, "banded_chunk_bytes", 1)
         q, k, v = (_heads(rng, 333, 2) for _ in range(3))
         _check(q, k, v, 20, True, block_size=16,
                implementation=implementation)
@@ -314,7 +315,7 @@ class TestCompiled:
 
     @pytest.mark.parametrize("causal", [True, False], ids=["causal", "sym"])
     def test_compiled_matches_dense(self, rng, causal, monkeypatch):
-        monkeypatch.setattr(banded, "CHUNK_BYTES", 1 << 16)  # a few chunks
+        monkeypatch.setitem(tuning.OVERRIDES, "banded_chunk_bytes", 1 << 16)  # a few chunks
         t_len, s_len, window = 333, 350, 30
         q = _heads(rng, t_len, 4)
         k, v = _heads(rng, s_len, 2), _heads(rng, s_len, 2)
@@ -338,7 +339,7 @@ class TestCompiled:
 
     @pytest.mark.training
     def test_compiled_gradients(self, rng, monkeypatch):
-        monkeypatch.setattr(banded, "CHUNK_BYTES", 1 << 16)
+        monkeypatch.setitem(tuning.OVERRIDES, "banded_chunk_bytes", 1 << 16)
         q, k, v = (_heads(rng, 300, n) for n in (4, 2, 2))
         cotangent = _heads(rng, 300, 4)
 
@@ -415,9 +416,9 @@ class TestArguments:
         traced = banded.banded_attention(q, k, v, spec)
         with torch.no_grad():
             banded.banded_attention(q, k, v, spec)
-        assert blocks == [banded.NATIVE_INFERENCE_BLOCK,
-                          banded.default_block_size((127, 0)),
-                          banded.NATIVE_INFERENCE_BLOCK]
+        inference = tuning.value("banded_native_inference_block")
+        assert blocks == [inference, banded.default_block_size((127, 0)),
+                          inference]
         np.testing.assert_allclose(to_numpy(plain), to_numpy(traced.detach()),
                                    **TOLERANCE)
 
@@ -438,7 +439,8 @@ class TestArguments:
 
         from keras_mha.attention import kernels
 
-        monkeypatch.setattr(kernels, "_CAP_STEP_BYTES", 5 * 16 * 64 * 4)
+        monkeypatch.setitem(tuning.OVERRIDES, "capped_step_bytes",
+                            5 * 16 * 64 * 4)
 
         calls = []
         inference = kernels._inference_band

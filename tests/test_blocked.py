@@ -23,6 +23,7 @@ from keras_mha.attention import AttentionSpec
 from keras_mha.attention import blocked
 from keras_mha.attention import dispatch
 from keras_mha.attention import explicit
+from keras_mha.attention import tuning
 from keras_mha.attention.logits import alibi_slopes
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
@@ -170,7 +171,9 @@ class TestLayerOnTheBlocks:
             shapes = dispatch.Shapes(length, s_len or length, 4, 4)
             return dispatch.choose_path(spec, shapes, backend=backend)
 
-        at = dispatch.BLOCKED_MIN_LENGTH
+        at = {backend: tuning.value("blocked_min_length", backend=backend,
+                                    platform="cpu")
+              for backend in ("jax", "tensorflow", "torch")}
         for backend, length, fields, expected in (
             ("jax", at["jax"], {}, dispatch.BLOCKED),
             ("jax", at["jax"] - 1, {}, dispatch.FUSED),
@@ -194,7 +197,7 @@ class TestLayerOnTheBlocks:
         assert path(s_len=4097) == dispatch.FUSED  # cross-attention
 
     def test_layer_matches_reference_and_keras(self, rng, monkeypatch):
-        monkeypatch.setattr(blocked, "_SMALL_BLOCK", BLOCK)
+        monkeypatch.setitem(tuning.OVERRIDES, "blocked_block", BLOCK)
         x = rng.normal(size=(2, LENGTH, 8)).astype("float32")
         assert_causal_path_matches(
             dispatch.BLOCKED, x, _padding(LENGTH, [LENGTH, 60])
@@ -204,7 +207,7 @@ class TestLayerOnTheBlocks:
     def test_layer_gradients_with_every_feature(self, rng, monkeypatch):
         """The weights' gradients, the sinks' included, equal the explicit
         path's."""
-        monkeypatch.setattr(blocked, "_SMALL_BLOCK", BLOCK)
+        monkeypatch.setitem(tuning.OVERRIDES, "blocked_block", BLOCK)
         x = rng.normal(size=(2, LENGTH, 8)).astype("float32")
         layer = make_layer(
             x, x, num_heads=4, key_dim=4, num_key_value_heads=2,

@@ -19,6 +19,7 @@ from util import to_numpy
 import keras_mha
 import keras_mha.attention
 from keras_mha.attention import dispatch
+from keras_mha.attention import tuning
 from keras_mha.cached import CachedMultiHeadAttention
 
 BATCH, FEATURES, HEADS, HEAD_DIM = 2, 8, 2, 4
@@ -83,10 +84,7 @@ def _random_mask(rng, query_length, key_length):
 
 def _small_blocks(monkeypatch):
     """Decode steps read caches in blocks of 4 slots on every backend."""
-    from keras_mha.attention import decode
-
-    monkeypatch.setattr(decode, "BLOCK_SIZES", {})
-    monkeypatch.setattr(decode, "BLOCK_SIZE", 4)
+    monkeypatch.setitem(tuning.OVERRIDES, "decode_block", 4)
 
 
 class TestAgainstKerasHub:
@@ -582,10 +580,8 @@ class TestErrors:
         """Traced, no error can be raised: an index whose token does not
         fit writes nothing (never a clamped slot), on both writes (a cache
         of one block, and the step's over a larger one)."""
-        from keras_mha.attention import decode
-
         if stepped:  # a cache of more than one block takes the step
-            monkeypatch.setitem(decode.BLOCK_SIZES, BACKEND, 2)
+            monkeypatch.setitem(tuning.OVERRIDES, "decode_block", 2)
         x = _inputs(rng, 1)
         layer = self._layer()
         cache = rng.normal(size=(BATCH, 2, 3, HEADS, HEAD_DIM))

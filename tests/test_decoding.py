@@ -15,6 +15,7 @@ from util import random_inputs
 from util import to_numpy
 
 import keras_mha
+from keras_mha.attention import tuning
 
 
 def _decode(layers, x, prompt_length, prompt_mask=None, chunk=1):
@@ -172,8 +173,8 @@ class TestDecoding:
         from keras_mha.attention import decode_kernels as kernels
 
         monkeypatch.setattr(decode, "IMPLEMENTATION", "native")
-        monkeypatch.setattr(kernels, "_DECODE_CHUNK", 2)
-        monkeypatch.setattr(kernels, "_CHUNKED_FROM", 4)
+        monkeypatch.setitem(tuning.OVERRIDES, "decode_chunk", 2)
+        monkeypatch.setitem(tuning.OVERRIDES, "decode_chunked_from", 4)
         calls = []
         chunked = kernels._chunked_step
         monkeypatch.setattr(kernels, "_chunked_step", lambda *args: (

@@ -20,8 +20,8 @@ from util import reference
 from util import to_numpy
 
 import keras_mha
-from keras_mha.attention import blocked
 from keras_mha.attention import dispatch
+from keras_mha.attention import tuning
 from keras_mha.attention.logits import alibi_slopes
 
 B, T, E, N, K, H = 2, 24, 16, 6, 2, 8
@@ -60,11 +60,8 @@ MASKS = {
 def _small_blocks(monkeypatch):
     """Blocks of 8 on the blocked path and in decoding steps' reads of a
     full cache: `T = 24` is three of them."""
-    from keras_mha.attention import decode
-
-    monkeypatch.setattr(blocked, "_SMALL_BLOCK", 8)
-    monkeypatch.setattr(decode, "BLOCK_SIZES", {})
-    monkeypatch.setattr(decode, "BLOCK_SIZE", 8)
+    monkeypatch.setitem(tuning.OVERRIDES, "blocked_block", 8)
+    monkeypatch.setitem(tuning.OVERRIDES, "decode_block", 8)
 
 
 def _inputs(rng):
@@ -251,7 +248,7 @@ class TestBandedImplementations:
             from keras_mha.attention import kernels
 
             # Soft-capped blocks two at a time: steps of 2 and 1 blocks.
-            monkeypatch.setattr(kernels, "_CAP_CHUNK", 2)
+            monkeypatch.setitem(tuning.OVERRIDES, "capped_chunk", 2)
 
             cotangent = torch.tensor(rng.normal(size=q.shape).astype("float32"))
             # With ALiBi and without it: sinks then take the kernel's
@@ -341,13 +338,14 @@ class TestDecoding:
     def test_compiled_steps_read_the_whole_cache_late(self, rng,
                                                       monkeypatch):
         """Compiled one-token steps at every position of a cache of three
-        blocks: the loop over blocks up to `WHOLE_FROM` of it, then the
-        one pass over every slot (`decode.WHOLE_BACKENDS`, here on this
-        backend too), equal the full pass; one padded token in the
-        prompt."""
-        from keras_mha.attention import decode
-
-        monkeypatch.setattr(decode, "WHOLE_BACKENDS", (BACKEND,))
+        blocks: the loop over blocks up to `decode_whole_from` of it,
+        then the one pass over every slot (JAX's value of the tuning
+        table's `decode_whole_from`, here on this backend too), equal the
+        full pass; one padded token in the prompt."""
+        monkeypatch.setitem(
+            tuning.OVERRIDES, "decode_whole_from",
+            tuning.value("decode_whole_from", backend="jax"),
+        )
         x = _inputs(rng)[0]
         layer = _layer(x, "all", None)
         mask = np.ones((B, T), bool)

@@ -15,6 +15,7 @@ from util import to_numpy
 
 import keras_mha
 from keras_mha.attention import dispatch
+from keras_mha.attention import tuning
 
 
 def _case_id(params):
@@ -378,10 +379,10 @@ class TestBandedPath:
     @pytest.mark.parametrize(
         "window, key_length",
         [
-            (100, dispatch.BANDED_MIN_RATIO * 100 - 1),
-            (100, dispatch.BANDED_MIN_RATIO * 100),
-            (2, dispatch.BANDED_MIN_LENGTH - 1),
-            (2, dispatch.BANDED_MIN_LENGTH),
+            (100, tuning.value("banded_min_ratio", platform="cpu") * 100 - 1),
+            (100, tuning.value("banded_min_ratio", platform="cpu") * 100),
+            (2, tuning.value("banded_min_length", platform="cpu") - 1),
+            (2, tuning.value("banded_min_length", platform="cpu")),
         ],
     )
     def test_threshold(self, rng, window, key_length):
@@ -392,8 +393,8 @@ class TestBandedPath:
         path = layer.attention_path(query.shape, value.shape,
                                     use_causal_mask=True)
         banded = (
-            key_length >= dispatch.BANDED_MIN_RATIO * window
-            and key_length >= dispatch.BANDED_MIN_LENGTH
+            key_length >= tuning.value("banded_min_ratio") * window
+            and key_length >= tuning.value("banded_min_length")
         )
         assert path == (dispatch.BANDED if banded else dispatch.FUSED)
         expected, _ = reference(layer, query, value, use_causal_mask=True)

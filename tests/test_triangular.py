@@ -17,6 +17,7 @@ from keras_mha.attention import AttentionSpec
 from keras_mha.attention import dispatch
 from keras_mha.attention import explicit
 from keras_mha.attention import triangular
+from keras_mha.attention import tuning
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 
@@ -87,7 +88,8 @@ class TestTriangular:
 
 class TestLayerOnTheTriangle:
     def test_rule(self):
-        at = dispatch.TRIANGULAR_MIN_LENGTH
+        at = tuning.value("triangular_min_length", backend="jax",
+                          platform="cpu")
 
         # With a dense bias, which the blocked path does not take.
         bias = np.zeros((1, 1, 1, at), "float32")

@@ -5,7 +5,8 @@ the spec and the shapes and runs one of the paths, each of which builds its
 masks from the spec with the position rule of `masks.py`:
 
 - `explicit.py`: materialized `(B, N, T, S)` weights (the reference);
-- `fused.py`: `keras.ops.dot_product_attention`;
+- `fused.py`: `keras.ops.dot_product_attention`, and JAX's kernel with
+  its own window;
 - `banded.py`: sliding windows in O(T·w);
 - `blocked.py`: causal self-attention in O(T) memory (an online softmax
   over key blocks, FlashAttention-2's recurrence);
@@ -16,18 +17,22 @@ masks from the spec with the position rule of `masks.py`:
 - `kernels.py`: backend kernels behind the portable paths' interfaces,
   `cache_kernels.py` the cache's in-place writes and `decode_kernels.py`
   the eager decode step's (torch's fused kernel over the slots; on
-  TensorFlow and JAX the step compiled as one function).
+  TensorFlow and JAX the step compiled as one function);
+- `tuning.py`: the numbers the rule and the algorithms read, per backend
+  and platform.
 
 Nothing here imports the layer or the command line.
 """
 
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import dispatch
+from keras_mha.attention import tuning
 from keras_mha.attention.banded import banded_attention
 from keras_mha.attention.blocked import blocked_attention
 from keras_mha.attention.decode import decode_attention
 from keras_mha.attention.explicit import explicit_attention
 from keras_mha.attention.fused import fused_attention
+from keras_mha.attention.fused import fused_window_attention
 from keras_mha.attention.spec import AttentionSpec
 from keras_mha.attention.triangular import triangular_attention
 
@@ -45,7 +50,10 @@ def attend(query, key, value, spec):
         `(output, weights)`: `(B, T, N, V)` in the query's dtype, and the
         `(B, N, T, S)` weights when `spec.return_weights` (else `None`).
     """
-    path = dispatch.choose_path(spec, dispatch.Shapes.of(query, key, value))
+    path = dispatch.choose_path(
+        spec, dispatch.Shapes.of(query, key, value),
+        platform=tuning.device_platform(query),
+    )
     if path == dispatch.EXPLICIT:
         output, weights = explicit_attention(query, key, value, spec)
         return output, weights if spec.return_weights else None
@@ -55,6 +63,8 @@ def attend(query, key, value, spec):
         return banded_attention(query, key, value, spec), None
     if path == dispatch.BLOCKED:
         return blocked_attention(query, key, value, spec), None
+    if path == dispatch.FUSED_WINDOW:
+        return fused_window_attention(query, key, value, spec), None
     return triangular_attention(query, key, value, spec), None
 
 
@@ -109,4 +119,4 @@ def attend_cached(query, key, value, spec, cache, index, rolling):
     return output, weights, new_cache
 
 
-__all__ = ["AttentionSpec", "attend", "attend_cached", "dispatch"]
+__all__ = ["AttentionSpec", "attend", "attend_cached", "dispatch", "tuning"]

@@ -19,7 +19,7 @@ extra rows (`G`), so keys and values are never repeated per group.
 
 The portable path (`keras.ops` only) runs the blocks a chunk of `C` blocks
 at a time in a loop, so the forward pass holds the scores of one chunk
-(about `CHUNK_BYTES`), not of the whole band; the native path hands the
+(about `banded_chunk_bytes`, `tuning.py`), not of the whole band; the native path hands the
 blocks to torch's fused attention kernel (`kernels.py`). All shapes follow
 from the static `T`, `S`, window and `b`: the function traces under
 `jax.jit` and `tf.function` (XLA included) with any batch size, and the
@@ -35,55 +35,27 @@ from keras import ops
 import keras_mha.attention.explicit as explicit
 import keras_mha.attention.logits as logits
 import keras_mha.attention.masks as masks_lib
+import keras_mha.attention.tuning as tuning
 
 PORTABLE = "portable"
 NATIVE = "native"
 IMPLEMENTATIONS = (PORTABLE, NATIVE)
 
-# The scores of one chunk of query blocks in the portable path (see
-# `_portable_core`): small enough for the cache and for the allocator to
-# reuse, large enough for few iterations. Measured on the 2-core CPU (whole
-# layer, T = 16384, w = 128, causal, forward): 8 MiB took 215 ms on
-# TensorFlow (XLA) against 224 for 4 MiB and 240 for 2 MiB; JAX was even.
-CHUNK_BYTES = 8 << 20
-
-# Default query block (see `default_block_size`).
-_MIN_BLOCK = 32
-_MAX_BLOCK = 128
 
 
 def default_block_size(window):
     """The query block `b` for a window `(left, right)`.
 
     The next power of two at or above `w = max(left, right) + 1`, within
-    `[32, 128]`. A query block reads `L = ceil(left / b)` key blocks before
-    it (and `R` after it without `causal`), so its scores hold `b + L·b`
-    keys per query for `w` useful ones: larger blocks waste more of the
-    span, smaller ones make the batched products too small to run well.
-    Measured on the 2-core CPU (forward, `T = 16384`, `N = 8`, `H = 64`,
-    causal; TensorFlow, JAX, torch): at `w = 128`, `b = 128` was best or
-    within noise of `b = 64`, and `b = 256` was 15-35% slower; at `w = 512`,
-    `b = 128` (`L = 4`) beat 256 by 10-25% and 512 by 25-45% on JAX and
-    torch, and `b = 64` was slower again on TensorFlow and JAX. Below 32
-    the per-block overhead dominates. Causal and symmetric windows measured
-    best with the same choice.
+    the tuning table's `[banded_block_min, banded_block_max]` (`[32,
+    128]`). A query block reads `L = ceil(left / b)` key blocks before it
+    (and `R` after it without `causal`), so its scores hold `b + L·b` keys
+    per query for `w` useful ones: larger blocks waste more of the span,
+    smaller ones make the batched products too small to run well.
     """
     block = _round_up_pow2(max(window) + 1)  # >= w
-    return max(_MIN_BLOCK, min(_MAX_BLOCK, block))
-
-
-# The native kernel's query block when nothing will be differentiated.
-# torch's CPU flash kernel never writes a block's scores, so the span's
-# padding costs it only the products: the smallest block wastes the least.
-# Measured on the 2-core CPU (T = 16384, N = 8, H = 64, forward under
-# `torch.no_grad()`, b = 32 / 64 / 128, timed alternately): causal
-# w = 128: 76 / 91 / 121 ms; w = 512: 206 / 214 / 226 ms; symmetric
-# w = 128: 138 / 140 / 149 ms; sinks 65 / 72 / 92 ms, ALiBi 111 / 123 /
-# 144 ms; w = 64, b = 16 / 32 / 64: 96 / 86 / 94 ms. With a soft-cap
-# (`kernels._capped_blocks`; on the AVX-512 machine) b = 16 / 32 / 64
-# took 69 / 69 / 76 ms. Its backward runs best with `default_block_size`
-# (causal w = 128, forward+backward: 960 / 673 / 623 ms).
-NATIVE_INFERENCE_BLOCK = _MIN_BLOCK
+    return max(tuning.value("banded_block_min"),
+               min(tuning.value("banded_block_max"), block))
 
 
 def native_available(backend=None):
@@ -112,8 +84,8 @@ def banded_attention(
             `query_offset`, keys at their own positions (no
             `key_positions`), no dense mask and no weights returned (see
             `dispatch.can_serve`).
-        block_size: the query block `b`. If `None`:
-            `NATIVE_INFERENCE_BLOCK` for the native kernel when no input
+        block_size: the query block `b`. If `None`: the tuning table's
+            `banded_native_inference_block` for the native kernel when no input
             will be differentiated (torch's grad mode is off, or nothing
             requires a gradient), `default_block_size` otherwise.
         implementation: `"portable"` (`keras.ops` only, every backend),
@@ -157,7 +129,7 @@ def banded_attention(
         import keras_mha.attention.kernels as kernels
 
         if not kernels.differentiated(query, key, value, spec.sinks):
-            block_size = NATIVE_INFERENCE_BLOCK
+            block_size = tuning.value("banded_native_inference_block")
     out_dtype = query.dtype
     query, key, value = explicit.upcast(query, key, value)
     # The native kernel never writes the scores: one chunk.
@@ -253,8 +225,8 @@ class _Band(
 
 
 def _band(t_len, s_len, spec, block_size, score_bytes):
-    """The geometry; chunks of about `CHUNK_BYTES` of scores, or one chunk
-    when `score_bytes` (of one query-key pair, all heads) is `None`."""
+    """The geometry; chunks of about `banded_chunk_bytes` of scores, or one
+    chunk when `score_bytes` (of one query-key pair, all heads) is `None`."""
     offset = spec.static_offset
     # Every |p - j| is below T + S + offset: a wider window changes no mask
     # entry, only the size of the spans.
@@ -272,7 +244,8 @@ def _band(t_len, s_len, spec, block_size, score_bytes):
         chunk = num_blocks
     else:
         block_bytes = score_bytes * block * span_blocks * block
-        chunk = min(num_blocks, max(1, CHUNK_BYTES // block_bytes))
+        chunk_bytes = tuning.value("banded_chunk_bytes")
+        chunk = min(num_blocks, max(1, chunk_bytes // block_bytes))
     num_chunks = -(-num_blocks // chunk)
     chunk = -(-num_blocks // num_chunks)  # pads fewer than `num_chunks` blocks
     return _Band(
@@ -306,7 +279,7 @@ def _portable_core(query, key, value, mask, spec, band, keep=None):
     """Attention of every query block over its span, in `keras.ops`.
 
     The blocks go through a loop a chunk at a time, so the scores of only
-    one chunk (about `CHUNK_BYTES`) exist at once in the forward pass and
+    one chunk (about `banded_chunk_bytes`) exist at once in the forward pass and
     stay in the cache, and the allocator reuses their memory instead of
     faulting in fresh pages for the whole band: 25-40% faster than one
     pass over all blocks on the 2-core CPU (JAX and TensorFlow, forward

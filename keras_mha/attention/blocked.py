@@ -35,23 +35,15 @@ from keras import ops
 
 import keras_mha.attention.explicit as explicit
 import keras_mha.attention.logits as logits
-
-# Positions per block, queries and keys (see `default_block_size`).
-_SMALL_BLOCK = 256
-_LARGE_BLOCK = 512
-_LARGE_FROM = 4096
+import keras_mha.attention.tuning as tuning
 
 
 def default_block_size(length):
-    """`b` for `T = length`: 256, or 512 from `T = 4096`.
-
-    Measured on the 2-core CPU (B = 1, N = 8, H = 64, causal, forward):
-    at T = 4096, 512 took 136 ms on JAX against 198 for 256 (213 against
-    229 on TensorFlow with XLA); at T = 16384, 1.9 s against 2.9 s, and
-    1024 was slower again (3.2 s); at T = 1024 and 2048, 256 was even or
-    better on TensorFlow.
-    """
-    return _LARGE_BLOCK if length >= _LARGE_FROM else _SMALL_BLOCK
+    """`b` for `T = length`: the tuning table's `blocked_block` (256), or
+    `blocked_large_block` (512) from `T = blocked_large_from` (4096)."""
+    if length >= tuning.value("blocked_large_from"):
+        return tuning.value("blocked_large_block")
+    return tuning.value("blocked_block")
 
 _Geometry = collections.namedtuple(
     "_Geometry",

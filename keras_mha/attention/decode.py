@@ -11,8 +11,9 @@ Python loop; when it is traced (`jax.jit`, `tf.function`) they are a
 `keras.ops.while_loop` whose trip count is a tensor, so the step traces
 once. A rolling cache (one token at a time) is one block of its `w` slots.
 Late in a large cache, a traced step of one token on JAX reads every slot
-in one pass instead (`WHOLE_FROM`): XLA on CPU copies each block the loop
-slices, and the pass reads the cache where it lies.
+in one pass instead (the tuning table's `decode_whole_from`): XLA on CPU
+copies each block the loop slices, and the pass reads the cache where it
+lies.
 
 Eager steps take a native route where the backend has one
 (`decode_kernels.py`): on torch (`decode_core`), the fused attention kernel
@@ -37,22 +38,10 @@ import keras_mha.attention.cache as cache_lib
 import keras_mha.attention.explicit as explicit
 import keras_mha.attention.logits as logits
 import keras_mha.attention.masks as masks_lib
+import keras_mha.attention.tuning as tuning
 
 FLAGGED = "flagged"  # ours: (keys, values, valid), see `cache.py`
 PAIR = "pair"  # keras-hub's: (B, 2, L, K, H), keys at [:, 0], values at [:, 1]
-
-# Keys per block of a full cache, per backend. Measured on the 2-core CPU
-# (one token, 8 heads of 64, a 65,536-slot cache): torch eager took 64 ms
-# at p = 64k with blocks of 1,024 and 39 ms with 4,096, the same 3 ms at
-# p = 1k; under `jax.jit`, 1,024 took 57 ms at p = 64k and 1.6 ms at
-# p = 1k, and 4,096 was 3-8x slower at both. With the packed products
-# (`_packed_query`), jitted: 512 / 1,024 / 2,048 / 4,096 took 53 / 42 /
-# 38 / 37 ms at p = 64k and 0.95 / 1.5 / 2.0 / 3.7 ms at p = 1. Eager
-# torch steps now read all the slots at once
-# (`decode_kernels.decode_core`); its blocks serve traced steps and the
-# portable implementation.
-BLOCK_SIZES = {"torch": 4096}
-BLOCK_SIZE = 1024
 
 PORTABLE = "portable"  # the loop over key blocks, `keras.ops` only
 NATIVE = "native"  # eager steps: torch's fused kernel; TF, JAX compiled
@@ -62,19 +51,10 @@ IMPLEMENTATIONS = (PORTABLE, NATIVE)
 IMPLEMENTATION = None
 
 # A traced step of one query in a full cache of more than one block, past
-# this fraction of its slots, reads them all in one pass on these backends
-# (`_whole_chunks`). Measured under `jax.jit` with the cache donated,
-# 65,536 slots: the loop took 16 / 22 / 28 ms at p = 24k / 32k / 43k, one
-# pass 18 ms at any p. The loop materializes every block it slices (XLA on
-# CPU) before its products; the pass multiplies the keys and the values
-# where they lie. Under XLA on TensorFlow the pass took 104 ms at p = 64k
-# against the loop's 52 ms.
-WHOLE_BACKENDS = ("jax",)
-WHOLE_FROM = 0.4
-
-# The native step's additive bias is `(B, K|1, G·T, S)` floats: above this
-# many per batch row (64 MiB), the step reads blocks instead.
-_NATIVE_BIAS_LIMIT = 1 << 24
+# the tuning table's `decode_whole_from` of its slots, reads them all in one
+# pass (`_whole_chunks`): the loop materializes every block it slices (XLA
+# on CPU) before its products; the pass multiplies the keys and the values
+# where they lie.
 
 
 def native_available(backend=None):
@@ -86,8 +66,9 @@ def native_available(backend=None):
 
 
 def block_size_for(backend=None):
-    """The keys per block of a full cache on `backend` (the active one)."""
-    return BLOCK_SIZES.get(backend or keras.backend.backend(), BLOCK_SIZE)
+    """The keys per block of a full cache on `backend` (the active one):
+    the tuning table's `decode_block`."""
+    return tuning.value("decode_block", backend=backend)
 
 
 def decode_attention(query, cache, spec, rolling, block_size=None,
@@ -116,7 +97,8 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
             `decode_kernels.graph_decode`) or
             `None`:
             `IMPLEMENTATION`, else the native route where it exists (on
-            torch while its bias stays below `_NATIVE_BIAS_LIMIT`).
+            torch while its bias stays below the tuning table's
+            `decode_native_bias_limit`).
             Traced steps always run the portable loop.
 
     Returns:
@@ -211,14 +193,14 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
     )
     if chunks is not None:
         # Traced, late in a large cache: one pass over every slot beats the
-        # loop's copies of each block (`WHOLE_FROM`).
+        # loop's copies of each block (`decode_whole_from`).
         whole = _loop(
             num_slots, num_slots, rolling, spec.causal, spec.window,
             spec.soft_cap, slopes is not None, dense is not None, pair,
             (num_kv, groups), chunks,
         )[1]
         state = ops.cond(
-            limit > int(WHOLE_FROM * num_slots),
+            limit > int(tuning.value("decode_whole_from") * num_slots),
             lambda: whole(*state, *constants)[:4],
             lambda: ops.while_loop(cond, body, state + constants)[:4],
         )
@@ -306,7 +288,7 @@ def _takes_native(implementation, blocks, q, num_slots, slopes, dense):
     _, num_kv, groups, t_len, _ = q.shape
     varies = slopes is not None or (dense is not None and dense.shape[1] > 1)
     return (num_kv if varies else 1) * groups * t_len * num_slots <= (
-        _NATIVE_BIAS_LIMIT
+        tuning.value("decode_native_bias_limit")
     )
 
 
@@ -510,13 +492,14 @@ def _chunked_weighted(weights, values, heads, chunks):
 
 
 def _whole_chunks(num_slots, block):
-    """The chunks of a one-pass read of all `num_slots` (`WHOLE_BACKENDS`):
-    the most runs of equal length up to 64, at least 2; `None` where the
-    backend or a cache of one block has no such pass, or `num_slots` is
-    prime."""
-    if keras.backend.backend() not in WHOLE_BACKENDS or num_slots <= block:
+    """The chunks of a one-pass read of all `num_slots`: the most runs of
+    equal length up to the tuning table's `decode_whole_runs`, at least 2;
+    `None` where the backend (`decode_whole_from`) or a cache of one block
+    has no such pass, or `num_slots` is prime."""
+    if tuning.value("decode_whole_from") is None or num_slots <= block:
         return None
-    for chunks in range(min(64, num_slots // 2), 1, -1):
+    most = tuning.value("decode_whole_runs")
+    for chunks in range(min(most, num_slots // 2), 1, -1):
         if num_slots % chunks == 0:
             return chunks
     return None

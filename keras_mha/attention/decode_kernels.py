@@ -11,6 +11,8 @@ share `kernels.py`'s autograd functions with the band).
 
 import functools
 
+import keras_mha.attention.tuning as tuning
+
 
 def graph_decode(step, query, cache, spec, rolling, block_size, layout,
                  limit):
@@ -123,7 +125,7 @@ def decode_core(q, keys, values, mask, alibi=None, sinks=None,
     elif sink_rows is not None:
         rows, k, v = kernels.equal_sizes(rows, k, v)  # the kernel's rule
         out = kernels.sink_attention().apply(rows, k, v, bias, sink_rows, 1.0)
-    elif (batch == 1 and span >= _CHUNKED_FROM
+    elif (batch == 1 and span >= tuning.value("decode_chunked_from")
           and not kernels.differentiated(rows, k, v)):
         out = _chunked_step(rows, k, v, bias)
     else:
@@ -135,22 +137,13 @@ def decode_core(q, keys, values, mask, alibi=None, sinks=None,
     )
 
 
-# A long step's slots in chunks of `_DECODE_CHUNK`, each chunk one batch
-# row of the flash kernel (`_chunked_step`), from `_CHUNKED_FROM` slots on.
-# Measured on the 2-core CPU (65,536-slot cache, one token, 8 heads of 64):
-# the attention alone at p = 16k took 4.2 ms in one call, 3.4 / 3.6 / 4.0
-# ms in chunks of 256 / 1,024 / 4,096, at p = 64k 17.3 against 13.3 / 13.9
-# / 14.9 ms; the whole eager step at p = 16k 8.1 against 8.3 ms, at p = 64k
-# 20.6 against 17.4 ms.
-_DECODE_CHUNK = 256
-_CHUNKED_FROM = 32768
-
-
 def _chunked_step(rows, k, v, bias):
     """`scaled_dot_product_attention(rows, k, v, attn_mask=bias)` for one
     batch row over many slots, the slots cut into chunks that are the flash
     kernel's batch: each of its tasks reads a run of slots, not one head's
-    every slot, and the chunks' outputs merge by their log-sum-exp.
+    every slot, and the chunks' outputs merge by their log-sum-exp. The
+    tuning table sets the chunk (`decode_chunk`) and the slots from which
+    a step takes this route (`decode_chunked_from`).
 
     `rows` `(1, K, R, H)`, `k` `(1, K, S, H)` and `v` `(1, K, S, V)` (views
     of the cache), `bias` `(1, K|1, R, S)` with a finite entry in every
@@ -159,7 +152,7 @@ def _chunked_step(rows, k, v, bias):
     import torch
 
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    chunk = _DECODE_CHUNK
+    chunk = tuning.value("decode_chunk")
     whole = k.shape[2] // chunk * chunk
 
     def chunks(x):  # (1, K, S, X) -> (S // chunk, K, chunk, X), a view

@@ -2,30 +2,39 @@
 
 Every path computes the same function of the spec (see `explicit.py`);
 this module answers which paths can serve a call (`can_serve`) and which
-is cheapest (`choose_path`):
+runs it (`choose_path`), from the spec, the static shapes, the backend and
+the platform the tensors sit on (`tuning.device_platform`: `cpu`, `gpu`,
+`tpu`). The numbers are entries of the tuning table (`tuning.py`), looked
+up for the backend and the platform; a path named below runs only where
+`can_serve` says it can.
 
-1. `banded` when a window is set, the keys sit at their own positions (no
-   cache; the queries' offset is a Python int), no dense `attention_mask`
-   or `attention_bias` is given, no weights are returned (dropout,
-   soft-cap, sinks, ALiBi and segment ids are fine: the band computes them
-   block by block), and the keys are long
-   compared with the window: `S >= BANDED_MIN_RATIO * w` and
-   `S >= BANDED_MIN_LENGTH`, `w = max(left, right) + 1`. Below that the
-   band covers most of the `T x S` matrix and the fused kernel wins.
-2. `explicit` when the weights are returned or dropped out.
-3. `blocked` for causal self-attention without a window, dense mask or
-   bias, or cache once `T = S` reaches the backend's
-   `BLOCKED_MIN_LENGTH`: an online softmax over the key blocks up to each
-   query block, in O(T) memory forward and backward, where the backends'
-   CPU kernels (JAX, TensorFlow) write the whole `T x T` scores. On torch,
-   whose CPU kernel never writes the scores, only for what that kernel
-   cannot take (a soft-cap). Not when `flash_attention=True`.
-4. `triangular` on JAX for what `blocked` does not take (a dense bias)
-   once `T = S >= TRIANGULAR_MIN_LENGTH`: blocks of queries over the keys
-   up to their position skip the upper triangle.
-5. `fused` (`keras.ops.dot_product_attention`) otherwise, or `explicit`
-   where the fused kernel does not take the head sizes (`H != V` on JAX)
-   or the call has a soft-cap (the kernels have it only on TPUs).
+CPU (the table's numbers are measured there): the fastest path. The first
+row that matches decides.
+
+| The call | Path |
+|---|---|
+| a window; keys at their own positions (no cache, a Python-int offset); no dense mask or bias; no weights returned; `S >= banded_min_ratio·w` (4) and `S >= banded_min_length` (256), `w = max(left, right) + 1` | `banded` |
+| weights returned, or dropout | `explicit` |
+| causal self-attention at `T = S >= blocked_min_length` (JAX 512, TensorFlow 2048, torch 1024); no window, dense mask, bias, cache, or `flash_attention=True`; on torch only what its kernel cannot take (a soft-cap) | `blocked` |
+| the same with a dense bias, `T >= triangular_min_length` (JAX 1024, never elsewhere) | `triangular` |
+| anything else | `fused`; `explicit` where the kernel cannot take the call (a soft-cap; `H != V` on JAX) |
+
+GPU and TPU (nothing measured, `follow_keras`): a call that
+`keras.layers.MultiHeadAttention` would send to its fused kernel
+(`keras_would_fuse`: no weights returned, no dropout, soft-cap, sinks,
+ALiBi, segment ids or bias; head sizes the kernel takes) goes to that
+kernel. Never `blocked` or `triangular` for it, and `banded` only where
+its dense scores would not fit:
+
+| The call Keras's layer fuses | GPU | TPU |
+|---|---|---|
+| a window, `(B, N, T, S)` float32 scores over `dense_scores_budget` (1 GiB) | `banded` | `banded` |
+| a window on JAX: no padding, segment or dense mask; keys at their own positions; `H = V`; `flash_attention=None`; every query with a key (`T <= S + left`) | `fused_window`: `jax.nn.dot_product_attention(local_window_size=(left, right))` (`native_window`) | `fused` |
+| any other | `fused` (a window as a mask) | `fused` |
+
+Every other call on a GPU or TPU (a feature Keras's layer lacks, weights,
+dropout, `H != V` on JAX) takes the CPU's rule, with the table's values
+for that backend and platform.
 
 A cache (decoding) takes one of three routes (`cache_route`): `prompt`,
 the tokens of a call at the Python index 0 attending to themselves on the
@@ -43,29 +52,15 @@ import numbers
 import keras
 
 import keras_mha.attention.fused as fused
+import keras_mha.attention.tuning as tuning
 
 FUSED = "fused"
 EXPLICIT = "explicit"
 BANDED = "banded"
 TRIANGULAR = "triangular"
 BLOCKED = "blocked"
-PATHS = (FUSED, EXPLICIT, BANDED, TRIANGULAR, BLOCKED)
-
-# Measured on a 2-core CPU (see the README's benchmark): the banded path
-# wins once the keys span a few windows.
-BANDED_MIN_RATIO = 4
-BANDED_MIN_LENGTH = 256
-# Measured on a 2-core CPU (JAX, N = 8, H = 64): at T = 1024 the triangle
-# took a third of the fused kernel's time, at T = 512 they were even.
-TRIANGULAR_MIN_LENGTH = 1024
-TRIANGULAR_BACKENDS = ("jax",)
-# Measured on a 2-core CPU (B = 1, N = 8, H = 64, causal; forward and
-# forward+backward): on JAX the blocks beat the fused kernel and the
-# triangle from T = 512 (at T = 1024, 19 ms against 66 and 53 forward); on
-# TensorFlow, under `tf.function` without XLA, the fused kernel is even up
-# to T = 1024 and 1.7x slower at T = 2048; torch's kernel never writes the
-# scores, so there the blocks serve only what it cannot (a soft-cap).
-BLOCKED_MIN_LENGTH = {"jax": 512, "tensorflow": 2048, "torch": 1024}
+FUSED_WINDOW = "fused_window"
+PATHS = (FUSED, EXPLICIT, BANDED, TRIANGULAR, BLOCKED, FUSED_WINDOW)
 
 PROMPT = "prompt"
 IN_PLACE = "in_place"
@@ -75,16 +70,31 @@ CACHE_ROUTES = (PROMPT, IN_PLACE, CONCATENATED)
 
 class Shapes(
     collections.namedtuple(
-        "Shapes", ["query_length", "key_length", "key_dim", "value_dim"]
+        "Shapes",
+        ["query_length", "key_length", "key_dim", "value_dim", "batch",
+         "num_heads"],
+        defaults=(None, None),
     )
 ):
     """The static sizes dispatch reads: `T`, `S` (`None` if unknown), `H`,
-    `V`."""
+    `V`, and `B` and `N` (`None` if unknown: the size of the dense scores
+    counts them as 1)."""
 
     @classmethod
     def of(cls, query, key, value):
         """From projected heads `(B, T, N, H)`, `(B, S, K, H)`, `(B, S, K, V)`."""
-        return cls(query.shape[1], key.shape[1], query.shape[3], value.shape[3])
+        return cls(query.shape[1], key.shape[1], query.shape[3], value.shape[3],
+                   query.shape[0], query.shape[2])
+
+    def dense_score_bytes(self):
+        """Bytes of the `(B, N, T, S)` float32 scores, or `None` if `T` or
+        `S` is unknown."""
+        if self.query_length is None or self.key_length is None:
+            return None
+        return 4 * math.prod(
+            size or 1 for size in (self.batch, self.num_heads,
+                                   self.query_length, self.key_length)
+        )
 
 
 _forced = contextvars.ContextVar("keras_mha_forced_path", default=None)
@@ -111,16 +121,17 @@ def force_path(path):
         _forced.reset(token)
 
 
-def banded_pays_off(window, query_length, key_length):
+def banded_pays_off(window, query_length, key_length, backend=None,
+                    platform=None):
     """Whether the band `(left, right)` is small enough against `S` to
-    compute it alone."""
-    return (
-        window is not None
-        and query_length is not None
-        and key_length is not None
-        and key_length >= BANDED_MIN_LENGTH
-        and key_length >= BANDED_MIN_RATIO * (max(window) + 1)
+    compute it alone (`banded_min_length`, `banded_min_ratio`)."""
+    if window is None or query_length is None or key_length is None:
+        return False
+    ratio, length = (
+        tuning.value(name, backend=backend, platform=platform)
+        for name in ("banded_min_ratio", "banded_min_length")
     )
+    return key_length >= length and key_length >= ratio * (max(window) + 1)
 
 
 def can_serve(path, spec, shapes, backend=None):
@@ -149,7 +160,36 @@ def can_serve(path, spec, shapes, backend=None):
         return _causal_self_blocks(spec, shapes, static) and spec.bias is None
     if path == TRIANGULAR:
         return _causal_self_blocks(spec, shapes, static)
+    if path == FUSED_WINDOW:
+        return (
+            (backend or keras.backend.backend()) == "jax"
+            and spec.window is not None
+            and static
+            and spec.keys_at_own_positions
+            and not spec.has_token_masks
+            and spec.attention_mask is None
+            and spec.flash_attention is None
+            and keras_would_fuse(spec, shapes, backend)
+            and shapes.key_dim == shapes.value_dim
+            # Every query has a key: JAX's kernel has no rule for a row
+            # without one.
+            and 0 < shapes.query_length <= shapes.key_length + spec.window[0]
+        )
     raise ValueError(f"`path` must be one of {PATHS}. Received: path={path!r}")
+
+
+def keras_would_fuse(spec, shapes, backend=None):
+    """Whether `keras.layers.MultiHeadAttention` would send this call to
+    its fused kernel: no weights returned, no dropout, none of the
+    features its layer lacks (soft-cap, sinks, ALiBi, segment ids, a
+    bias), head sizes the kernel takes."""
+    return (
+        can_serve(FUSED, spec, shapes, backend)
+        and spec.bias is None
+        and spec.sinks is None
+        and spec.alibi is None
+        and spec.segment_ids is None
+    )
 
 
 def _causal_self_blocks(spec, shapes, static):
@@ -169,37 +209,64 @@ def _causal_self_blocks(spec, shapes, static):
     )
 
 
-def choose_path(spec, shapes, backend=None):
+def choose_path(spec, shapes, backend=None, platform=None):
     """The name of the path that runs `spec` at these shapes.
 
     Args:
         spec: the call's `AttentionSpec`.
         shapes: its `Shapes`.
         backend: backend name; the active one by default.
+        platform: `"cpu"`, `"gpu"` or `"tpu"`; by default
+            `tuning.device_platform()` (`attend` passes the queries').
     """
     backend = backend or keras.backend.backend()
+    platform = platform or tuning.device_platform()
     forced = _forced.get()
     if forced is not None and can_serve(forced, spec, shapes, backend):
         return forced
+
+    def setting(name):
+        return tuning.value(name, backend=backend, platform=platform)
+
+    if setting("follow_keras") and keras_would_fuse(spec, shapes, backend):
+        return _as_keras(spec, shapes, backend, setting)
     if can_serve(BANDED, spec, shapes, backend) and banded_pays_off(
-        spec.window, shapes.query_length, shapes.key_length
+        spec.window, shapes.query_length, shapes.key_length, backend, platform
     ):
         return BANDED
     if spec.return_weights or spec.dropout:
         return EXPLICIT
     if (
         can_serve(BLOCKED, spec, shapes, backend)
-        and shapes.query_length >= BLOCKED_MIN_LENGTH.get(backend, math.inf)
+        and shapes.query_length >= setting("blocked_min_length")
         and (backend != "torch" or not can_serve(FUSED, spec, shapes, backend))
     ):
         return BLOCKED
     if (
-        backend in TRIANGULAR_BACKENDS
-        and can_serve(TRIANGULAR, spec, shapes, backend)
-        and shapes.query_length >= TRIANGULAR_MIN_LENGTH
+        can_serve(TRIANGULAR, spec, shapes, backend)
+        and shapes.query_length >= setting("triangular_min_length")
     ):
         return TRIANGULAR
     return FUSED if can_serve(FUSED, spec, shapes, backend) else EXPLICIT
+
+
+def _as_keras(spec, shapes, backend, setting):
+    """The path of a call Keras's layer fuses, on a platform where nothing
+    was measured: its fused kernel, with the backend's own window where it
+    has one; the band only where the dense scores would not fit."""
+    if spec.window is not None:
+        size = shapes.dense_score_bytes()
+        if (
+            size is not None
+            and size > setting("dense_scores_budget")
+            and can_serve(BANDED, spec, shapes, backend)
+        ):
+            return BANDED
+        if setting("native_window") and can_serve(
+            FUSED_WINDOW, spec, shapes, backend
+        ):
+            return FUSED_WINDOW
+    return FUSED
 
 
 def cache_route(spec, query_length, index, rolling):

@@ -1,4 +1,5 @@
-"""The fused path: `keras.ops.dot_product_attention`, the backend's kernel.
+"""The fused paths: `keras.ops.dot_product_attention`, the backend's kernel,
+and JAX's kernel with its own window (`fused_window_attention`).
 
 Same arguments and result as `explicit.explicit_attention`, without the
 weights and without dropout (the kernels have no seed of ours).
@@ -10,6 +11,7 @@ from keras import ops
 import keras_mha.attention.explicit as explicit
 import keras_mha.attention.logits as logits
 import keras_mha.attention.masks as masks_lib
+import keras_mha.attention.tuning as tuning
 
 
 def supported(key_dim, value_dim, backend=None):
@@ -126,3 +128,59 @@ def _with_sink_key(query, key, value, mask, term, sinks):
 
 def _pad_one(x):
     return ops.pad(x, [(0, 0), (0, 1), (0, 0), (0, 0)])
+
+
+def fused_window_attention(query, key, value, spec):
+    """Sliding-window attention in `jax.nn.dot_product_attention`, the
+    window passed as its `local_window_size`.
+
+    JAX's `(left, right)` is ours: query `t` sees keys `t - left <= j <=
+    t + right`, top-left aligned as our positions are without a cache, and
+    `is_causal` ANDs `j <= t`. Its `implementation=None` is XLA's dense
+    softmax with the window as a mask; on a GPU, half-precision inputs and
+    a one-sided window (`right = 0`, which `causal` implies) at `T = S` go
+    to `implementation="cudnn"` first, cuDNN's flash kernel, which skips
+    the keys outside the window and keeps its softmax in float32; where
+    cuDNN refuses the call, XLA's runs it.
+
+    Args:
+        query: `(B, T, N, H)`.
+        key: `(B, S, K, H)`.
+        value: `(B, S, K, H)`.
+        spec: a window without padding, dense mask, bias, soft-cap, sinks,
+            ALiBi, weights or dropout, keys at their own positions, and
+            every query with a key (see `dispatch.can_serve`).
+
+    Returns:
+        `(B, T, N, H)` in the query's dtype.
+    """
+    import jax
+
+    out_dtype = query.dtype
+    kwargs = dict(
+        scale=spec.scale,
+        is_causal=bool(spec.causal),
+        local_window_size=tuple(int(side) for side in spec.window),
+    )
+    if _cudnn_window(query, key, spec):
+        try:
+            return jax.nn.dot_product_attention(
+                query, key, value, implementation="cudnn", **kwargs
+            )
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # cuDNN absent, or the shapes are not its
+    query, key, value = explicit.upcast(query, key, value)
+    output = jax.nn.dot_product_attention(query, key, value, **kwargs)
+    return ops.cast(output, out_dtype)
+
+
+def _cudnn_window(query, key, spec):
+    """Whether cuDNN's flash kernel may take the window: on a GPU, half
+    precision, `T = S`, and no keys to the right (its window is
+    `(p - w, p]`)."""
+    return (
+        tuning.device_platform(query) == tuning.GPU
+        and ops.dtype(query) in ("float16", "bfloat16")
+        and query.shape[1] == key.shape[1]
+        and (spec.causal or spec.window[1] == 0)
+    )

@@ -28,6 +28,8 @@ paths that use it, on that backend.
 import functools
 import math
 
+import keras_mha.attention.tuning as tuning
+
 
 def differentiated(*tensors):
     """Whether torch's grad mode is on and one of `tensors` needs a grad."""
@@ -214,13 +216,6 @@ def _inference_band(query, key, value, mask, scale, band, alibi, soft_cap):
     return out.reshape(batch, n * b, num_heads, value_head)
 
 
-# The scores of one step of `_capped_blocks`. Measured on the 2-core CPU
-# (T = 16384, w = 128, b = 32, forward, the interior blocks): 75 / 62 / 59
-# / 55 / 57 ms for steps of 256 KiB / 512 KiB / 1 / 2 / 4 MiB, against 40
-# ms for the fused kernel without a cap.
-_CAP_STEP_BYTES = 2 << 20
-
-
 def _capped_blocks(q, k, v, bias, scale, cap):
     """`capped_attention`'s forward without sinks or a gradient, on the
     views of `_inference_band`: one head at a time, its blocks are a batch
@@ -237,7 +232,8 @@ def _capped_blocks(q, k, v, bias, scale, cap):
     m, num_heads, b, _ = q.shape
     groups, span = num_heads // k.shape[1], k.shape[2]
     out = q.new_empty((m, b, num_heads, v.shape[-1]))
-    step = max(1, _CAP_STEP_BYTES // (b * span * q.element_size()))
+    step_bytes = tuning.value("capped_step_bytes")
+    step = max(1, step_bytes // (b * span * q.element_size()))
     for head in range(num_heads):
         for first in range(0, m, step):
             blocks = slice(first, first + step)
@@ -310,19 +306,12 @@ def _bias(mask, slopes, sizes, before, dtype):
     return bias.reshape(batch * num_kv, m, groups * b, span)
 
 
-# Query blocks per step of the soft-capped blocks: a step's scores are
-# `4 · B·K · G·b · span` floats (4 MiB at `N = 8`, `b = 128`, span 256).
-# Measured at T = 16384, w = 128, forward: 124-133 ms for steps of 1 to
-# 16 blocks, against 336 ms for all blocks in one product; forward+backward
-# 430 ms for steps of 2 and 4, 471 ms for 8.
-_CAP_CHUNK = 4
-
-
 @functools.lru_cache(maxsize=1)
 def capped_attention():
     """`torch.autograd.Function` of the soft-capped blocks.
 
-    Forward: per step of `_CAP_CHUNK` query blocks, the logits
+    Forward: per step of `capped_chunk` query blocks (`tuning.py`; a
+    step's scores are `capped_chunk · B·K · G·b · span` floats), the logits
     `cap·tanh(q·k·scale/cap)` (+ ALiBi), masked, go through a softmax with
     the sinks in its denominator, in place; only the output and each
     row's log-sum-exp are kept. Backward: the step's weights are recomputed
@@ -332,7 +321,8 @@ def capped_attention():
     import torch
 
     def steps(n):
-        return [slice(i, i + _CAP_CHUNK) for i in range(0, n, _CAP_CHUNK)]
+        chunk = tuning.value("capped_chunk")
+        return [slice(i, i + chunk) for i in range(0, n, chunk)]
 
     def _step(bias, step):  # a run's bias is one block, or one per block
         return bias if bias.shape[1] == 1 else bias[:, step]

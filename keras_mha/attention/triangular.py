@@ -11,13 +11,10 @@ from keras import ops
 
 import keras_mha.attention.explicit as explicit
 import keras_mha.attention.masks as masks_lib
-
-# Queries per block. Measured on the 2-core CPU (JAX, B = 1, N = 8, H = 64):
-# 512 beat 128 and 256 at T = 1024 and 4096.
-BLOCK_SIZE = 512
+import keras_mha.attention.tuning as tuning
 
 
-def triangular_attention(query, key, value, spec, block_size=BLOCK_SIZE):
+def triangular_attention(query, key, value, spec, block_size=None):
     """Causal self-attention as `spec` asks, skipping the upper triangle.
 
     Args:
@@ -27,7 +24,8 @@ def triangular_attention(query, key, value, spec, block_size=BLOCK_SIZE):
         spec: a causal `AttentionSpec` without a window, dense mask,
             dropout or cache (see `dispatch.can_serve`); its bias,
             soft-cap, sinks, ALiBi and segment ids apply block by block.
-        block_size: queries per block `b`.
+        block_size: queries per block `b`; the tuning table's
+            `triangular_block` if `None`.
 
     Returns:
         `(B, T, N, V)` in the query's dtype.
@@ -35,6 +33,7 @@ def triangular_attention(query, key, value, spec, block_size=BLOCK_SIZE):
     The blocks are a Python loop over static slices: `T` must be static.
     """
     length = explicit.static_self_length("triangular_attention", query, key)
+    block_size = block_size or tuning.value("triangular_block", query)
     outputs = []
     for start in range(0, length, block_size):
         stop = min(length, start + block_size)
