@@ -14,7 +14,7 @@ mask and ALiBi go in as an additive bias of one `(b, span)` block shared
 by the band's interior blocks; sinks join the softmax through the flash
 kernel's log-sum-exp; a soft-cap runs as torch products a few blocks at a
 time with a backward of its own, and without a gradient a head at a time on
-views of the projections (the README's feature table measures each).
+views of the projections (the features table of docs/performance.md measures each).
 
 `project`: `EinsumDense`'s einsum and bias as one `torch.addmm`
 (`projections.Projection`); `rotate_half`: the rotary embedding in place.
