@@ -435,7 +435,10 @@ class TestRopeTypes:
         x = rng.normal(size=(2, 9, 8)).astype("float32")
         layers = _rope_stack(x, rope, window)
         decoded, _ = _decode(layers, x, prompt_length=5)
-        np.testing.assert_allclose(decoded, _full(layers, x), atol=1e-5,
+        # The outputs reach about 20 (two residual layers; YaRN's factor
+        # sharpens the softmax): the two computations' float32 roundings
+        # differ by up to 2e-5 there, about 1e-6 of the scale.
+        np.testing.assert_allclose(decoded, _full(layers, x), atol=5e-5,
                                    rtol=1e-5)
 
     def test_dynamic_keeps_each_key_as_written(self, rng):
