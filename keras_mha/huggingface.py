@@ -1,6 +1,6 @@
 """Weight import: Hugging Face `transformers` attention modules -> our layer.
 
-`keras_mha.from_torch` sends the modules named in `_WINDOWS` here. Nothing
+`keras_mha.from_torch` sends the modules named in `FAMILIES` here. Nothing
 here imports `transformers`: a module is recognised by its class's module
 path and name, and only its attributes, weights and `config` are read, so
 the library never needs `transformers` installed.
@@ -8,32 +8,56 @@ the library never needs `transformers` installed.
 Only the attention module is converted. Its rotary embedding lives in the
 model (`LlamaRotaryEmbedding(config)`), and so does its mask (built from
 `config.layer_types` and `config.sliding_window`); both are read back from
-the config into the layer's `rotary_embedding` and `sliding_window`.
+the config into the layer's `rotary_embedding` (`rope_parameters.py`) and
+`sliding_window`.
 """
+
+import dataclasses
 
 import numpy as np
 
 from keras_mha import host
+from keras_mha import rope_parameters
 from keras_mha.layer import MultiHeadAttention
-from keras_mha.rotary import RotaryEmbedding
 
-# (module path, class) -> where the model takes the layer's sliding window
-# from: nowhere (Llama), `config.sliding_window` for every layer (Mistral,
-# which ignores `layer_types`), or `config.sliding_window` for the layers
-# that `config.layer_types` marks "sliding_attention".
-_WINDOWS = {
-    ("transformers.models.llama.modeling_llama", "LlamaAttention"): None,
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What differs between the attention classes converted here; a new
+    family is an entry of `FAMILIES` (and a reader for a new field).
+
+    Attributes:
+        window: where the model takes the layer's sliding window from:
+            `None` (no window: Llama), `"config"` (`config.sliding_window`
+            for every layer: Mistral, which ignores `layer_types`) or
+            `"layer_types"` (`config.sliding_window` for the layers that
+            `config.layer_types` marks `"sliding_attention"`).
+        partial_rotary: whether the model rotates only
+            `int(head_dim * partial_rotary_factor)` features of a head (see
+            `rope_parameters.rotary_embedding`).
+    """
+
+    window: str = None
+    partial_rotary: bool = False
+
+
+# (module path, class) -> its family.
+FAMILIES = {
+    ("transformers.models.llama.modeling_llama", "LlamaAttention"): Family(),
     ("transformers.models.mistral.modeling_mistral", "MistralAttention"):
-        "config",
+        Family(window="config"),
     ("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention"):
-        "layer_types",
+        Family(window="layer_types"),
     ("transformers.models.gemma2.modeling_gemma2", "Gemma2Attention"):
-        "layer_types",
+        Family(window="layer_types"),
     ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssAttention"):
-        "layer_types",
+        Family(window="layer_types"),
 }
 
-_DEFAULT_ROPE_THETA = 10000.0  # transformers' `default_theta`
+
+def _family(module):
+    cls = type(module)
+    return FAMILIES.get((cls.__module__, cls.__qualname__))
 
 
 def is_transformers_attention(obj):
@@ -41,8 +65,7 @@ def is_transformers_attention(obj):
 
     The class itself, not a subclass: a subclass may compute something else.
     """
-    cls = type(obj)
-    return (cls.__module__, cls.__qualname__) in _WINDOWS
+    return _family(obj) is not None
 
 
 def from_transformers(module, **layer_kwargs):
@@ -58,11 +81,16 @@ def from_transformers(module, **layer_kwargs):
     - weights: `q_proj`, `k_proj`, `v_proj` and `o_proj`, with their biases.
       If any projection has a bias, all four get one, zero where the module
       has none (Qwen2's `o_proj`): the same function.
-    - rotary embedding: `rope_theta` from `config.rope_parameters`
-      (transformers 5) or `config.rope_theta` and `config.rope_scaling`
-      (older configs). Only the rope type `"default"` is supported. These
-      models' default RoPE rotates every feature of a head, whatever
-      `partial_rotary_factor` says, and so does the layer.
+    - rotary embedding: `config.rope_parameters` (transformers 5, one
+      dict or one per layer type) or `config.rope_theta` and
+      `config.rope_scaling` (older configs), rope types `"default"`,
+      `"linear"`, `"llama3"`, `"yarn"`, `"dynamic"` and `"longrope"`, with
+      the parameters and defaults of transformers' `ROPE_INIT_FUNCTIONS`
+      (see `keras_mha.rope_parameters`). These models' default RoPE
+      rotates every feature of a head, whatever `partial_rotary_factor`
+      says, and so does the layer. `"dynamic"` and `"longrope"` depend on
+      the call's largest position, as in the model; see
+      `RotaryEmbedding` for what that means for a cache.
     - sliding window: Mistral's `config.sliding_window` for every layer;
       for Qwen2, Gemma 2 and gpt-oss, `config.sliding_window` where
       `config.layer_types[layer_idx] == "sliding_attention"`, else none.
@@ -92,18 +120,20 @@ def from_transformers(module, **layer_kwargs):
         and returning `(B, T, hidden_size)`.
 
     Raises:
-        ValueError: for another module type, a rope type other than
-            `"default"`, a module whose `sliding_window` disagrees with its
-            config's, or an argument the module fixes to another value.
+        ValueError: for another module type, a rope setting the layer
+            cannot represent (named), a module whose `sliding_window`
+            disagrees with its config's, or an argument the module fixes
+            to another value.
     """
     if not is_transformers_attention(module):
-        supported = ", ".join(name for _, name in _WINDOWS)
+        supported = ", ".join(name for _, name in FAMILIES)
         raise ValueError(
             f"`from_transformers` takes one of {supported}. Received: module "
             f"of type {type(module).__module__}.{type(module).__qualname__}"
         )
     config = module.config
     name = type(module).__qualname__
+    family = _family(module)
     num_heads = int(config.num_attention_heads)
     num_kv_heads = int(config.num_key_value_heads)
     head_dim = int(module.head_dim)
@@ -120,14 +150,15 @@ def from_transformers(module, **layer_kwargs):
         use_bias=use_bias,
         use_gate=False,
         output_shape=None,
-        rotary_embedding=RotaryEmbedding(
-            max_wavelength=_rope_theta(config, name)
+        rotary_embedding=rope_parameters.rotary_embedding(
+            config, head_dim, name, _layer_type(module),
+            family.partial_rotary,
         ),
         scale=float(module.scaling),
         attn_logits_soft_cap=None if soft_cap is None else float(soft_cap),
         use_sinks=sinks is not None,
         use_alibi=False,
-        sliding_window=_sliding_window(module, name),
+        sliding_window=_sliding_window(module, name, family),
     )
     if host.output_shape(layer_kwargs.get("output_shape")) == (hidden_size,):
         del layer_kwargs["output_shape"]  # the default: the input's size
@@ -164,28 +195,16 @@ def from_transformers(module, **layer_kwargs):
     return layer
 
 
-def _rope_theta(config, name):
-    """The rope theta of a config whose rope type is `"default"`."""
-    params = getattr(config, "rope_parameters", None)
-    if params is None:  # before transformers 5: `rope_theta`, `rope_scaling`
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault(
-            "rope_theta", getattr(config, "rope_theta", _DEFAULT_ROPE_THETA)
-        )
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(
-            f"Only the rope type 'default' of a {name} can be converted: "
-            "`keras_mha.RotaryEmbedding` has no other frequencies. "
-            f"Received: rope_type={rope_type!r}"
-        )
-    return params.get("rope_theta", _DEFAULT_ROPE_THETA)
+def _layer_type(module):
+    """The module's entry of `config.layer_types`, or `None`."""
+    layer_types = getattr(module.config, "layer_types", None)
+    return None if layer_types is None else layer_types[module.layer_idx]
 
 
-def _sliding_window(module, name):
+def _sliding_window(module, name, family):
     """`W` (our causal `sliding_window`) of the module's layer, or `None`."""
     config = module.config
-    source = _WINDOWS[(type(module).__module__, name)]
+    source = family.window
     if source is None:
         return None
     window = getattr(config, "sliding_window", None)
@@ -213,7 +232,8 @@ def _check_fixed_kwargs(layer_kwargs, name, fixed):
             given = host.output_shape(given)
         if argument == "rotary_embedding" or given != value:
             shown = (
-                f"RotaryEmbedding(max_wavelength={value.max_wavelength})"
+                f"RotaryEmbedding(rope_type={value.rope_type!r}, "
+                f"max_wavelength={value.max_wavelength})"
                 if argument == "rotary_embedding"
                 else repr(value)
             )

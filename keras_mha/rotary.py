@@ -1,15 +1,19 @@
 """`keras_mha.RotaryEmbedding`: rotary position embeddings (RoPE).
 
-Rotate-half layout (Llama, GPT-NeoX, keras-hub, Hugging Face): feature `i`
-pairs with `i + d/2`, so `<rot(q, p), rot(k, j)>` depends on `p - j` alone.
-Called as `keras_hub.layers.RotaryEmbedding` is, so either layer serves.
+Rotate-half layout by default (Llama, GPT-NeoX, keras-hub, Hugging Face):
+feature `i` pairs with `i + d/2`; `interleaved=True` pairs `2i` with
+`2i + 1` (GPT-J, Cohere, GLM). Either way `<rot(q, p), rot(k, j)>` depends
+on `p - j` alone. The frequencies of each `rope_type` are in
+`rope_scaling.py`. Called as `keras_hub.layers.RotaryEmbedding` is, so
+either layer serves.
 """
 
 import numbers
 
 import keras
-import numpy as np
 from keras import ops
+
+from keras_mha.rope_scaling import RopeScaling
 
 
 def rotary_dim_of(shape, rotary_dim=None):
@@ -48,33 +52,73 @@ def _checked_positions(positions):
     return positions
 
 
-def _positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-        0 < value < float("inf")
-    ):
-        raise ValueError(f"Argument `{name}` must be a positive number. "
-                         f"Received: {name}={value!r}")
-    return int(value) if isinstance(value, numbers.Integral) else float(value)
+def _read_only(name):
+    return property(lambda self: getattr(self._rope, name))
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
 class RotaryEmbedding(keras.layers.Layer):
     """Rotary position embedding of `(B, L, ..., H)` inputs; no weights.
 
-    With `d = rotary_dim or H` and `inv_freq_i = max_wavelength ** (-2i/d)`
-    for `i < d/2`, the features `(x_i, x_{i + d/2})` of the row at position
-    `p` turn by the angle `(p / scaling_factor) * inv_freq_i`; features
-    `[d:]` pass unchanged. Angles and rotation are in float32 (or the
-    input's wider dtype); the result has the input's dtype, not the dtype
-    policy's (`autocast=False` unless given): half precision stays half.
+    With `d = rotary_dim or H`, the features of the row at position `p`
+    turn in pairs, pair `i` (`i < d/2`) by the angle `p · inv_freq_i`, and
+    are multiplied by the type's `attention_factor` (1 but for `"yarn"` and
+    `"longrope"`); features `[d:]` pass unchanged. `inv_freq` is Hugging
+    Face's for the same `rope_type` and parameters (`ROPE_INIT_FUNCTIONS`);
+    `rope_scaling.py` has the formulas. The plain case (`"linear"`, the
+    default, or `"default"`) is `inv_freq_i = max_wavelength ** (-2i/d) /
+    scaling_factor`.
+
+    Two types depend on the call's largest position `P` (over `positions`,
+    or `start_index + L - 1`): `"dynamic"` raises the base once `P + 1`
+    exceeds `original_max_position_embeddings`, and `"longrope"` takes the
+    long factors from `P >= original_max_position_embeddings` on. Each is a
+    pure function of the call's positions: the layer keeps no state, so the
+    same call always gives the same result (also under `jax.jit`,
+    `tf.function` and `torch.compile`, with a tensor `start_index`, traced
+    once). What that means when decoding: keys in a cache keep the rotation
+    of the call that wrote them. A sequence that crosses the threshold
+    while decoding attends from its new queries (rotated with `P`'s
+    frequencies) to cached keys rotated with earlier ones, so it does not
+    equal one full pass over the whole sequence; it does equal Hugging
+    Face's generation, which rotates each step with that step's
+    frequencies the same way. Below the threshold, and for `"longrope"`
+    with a prompt already beyond it, decoding equals the full pass.
+
+    Angles and rotation are in float32 (or the input's wider dtype); the
+    result has the input's dtype, not the dtype policy's (`autocast=False`
+    unless given): half precision stays half.
 
     Args:
-        max_wavelength: the longest wavelength (Llama's `rope_theta`), a
-            positive number.
-        scaling_factor: positions are divided by it (linear RoPE scaling), a
-            positive number.
+        max_wavelength: the longest wavelength (Hugging Face's
+            `rope_theta`), a positive number.
+        scaling_factor: the type's `factor`: positions are divided by it
+            with `"linear"`; `"llama3"`, `"yarn"`, `"dynamic"` use it as
+            Hugging Face does, `"longrope"` for its default
+            `attention_factor`. Must be 1 with `"default"`.
         rotary_dim: `d`, how many leading features of each head turn
             (partial rotary), a positive even int; all `H` if `None`.
+        rope_type: `"linear"` (keras-hub's default), `"default"`,
+            `"llama3"`, `"yarn"`, `"dynamic"` or `"longrope"`.
+        beta_fast, beta_slow: YaRN's bounds of the ramp, in turns over
+            `original_max_position_embeddings` positions (32 and 1).
+        original_max_position_embeddings: the pre-training length `L0`
+            (`"llama3"`, `"yarn"`, `"longrope"`; for `"dynamic"`, Hugging
+            Face's `max_position_embeddings`), a positive int.
+        truncate: whether YaRN rounds its ramp's ends outwards to whole
+            dimensions (gpt-oss: `False`).
+        low_freq_factor, high_freq_factor: Llama 3's wavelength bounds,
+            `L0 / low_freq_factor` and `L0 / high_freq_factor`; required
+            with `"llama3"`, `high > low`.
+        attention_factor: what cos and sin are multiplied by (`"yarn"`,
+            `"longrope"`); `None` for Hugging Face's default from
+            `scaling_factor`: `0.1·ln(f) + 1` (YaRN), `sqrt(1 + ln(f) /
+            ln(L0))` (LongRoPE), 1 when `f <= 1`.
+        short_factor, long_factor: LongRoPE's per-pair divisors of the
+            frequencies, `rotary_dim / 2` positive numbers each; required
+            with `"longrope"`.
+        interleaved: pair features `(2i, 2i + 1)` instead of `(i, i + d/2)`
+            (GPT-J, Cohere, GLM, DeepSeek's `rope_interleave`).
         **kwargs: other `keras.layers.Layer` arguments (`name`, `dtype`).
 
     Call arguments:
@@ -87,20 +131,45 @@ class RotaryEmbedding(keras.layers.Layer):
     Returns:
         The rotated `inputs`, of the same shape and dtype.
 
+    Raises:
+        ValueError: for a bad argument, naming it; an argument that the
+            type does not read but that was given (`low_freq_factor` with
+            `"yarn"`); `short_factor`/`long_factor` of another length than
+            `d / 2` (at the first call when `rotary_dim` is `None`).
+
     Example:
 
-    >>> rope = keras_mha.RotaryEmbedding(max_wavelength=10000)
+    >>> rope = keras_mha.RotaryEmbedding(
+    ...     max_wavelength=500000, scaling_factor=8.0, rope_type="llama3",
+    ...     low_freq_factor=1.0, high_freq_factor=4.0,
+    ...     original_max_position_embeddings=8192)  # Llama 3.1
     >>> q = np.ones((2, 16, 4, 8))  # (B, L, N, H)
     >>> rope(q, start_index=3).shape
     (2, 16, 4, 8)
     """
 
     def __init__(self, max_wavelength=10000, scaling_factor=1.0,
-                 rotary_dim=None, **kwargs):
+                 rotary_dim=None, rope_type="linear", beta_fast=32.0,
+                 beta_slow=1.0, original_max_position_embeddings=4096,
+                 truncate=True, low_freq_factor=None, high_freq_factor=None,
+                 attention_factor=None, short_factor=None, long_factor=None,
+                 interleaved=False, **kwargs):
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
-        self.max_wavelength = _positive("max_wavelength", max_wavelength)
-        self.scaling_factor = _positive("scaling_factor", scaling_factor)
+        self._rope = RopeScaling(
+            max_wavelength=max_wavelength,
+            scaling_factor=scaling_factor,
+            rope_type=rope_type,
+            beta_fast=beta_fast,
+            beta_slow=beta_slow,
+            original_max_position_embeddings=original_max_position_embeddings,
+            truncate=truncate,
+            low_freq_factor=low_freq_factor,
+            high_freq_factor=high_freq_factor,
+            attention_factor=attention_factor,
+            short_factor=short_factor,
+            long_factor=long_factor,
+        )
         if rotary_dim is not None and (
             isinstance(rotary_dim, bool)
             or not isinstance(rotary_dim, numbers.Integral)
@@ -110,59 +179,168 @@ class RotaryEmbedding(keras.layers.Layer):
                 "Argument `rotary_dim` must be a positive even integer or "
                 f"None. Received: rotary_dim={rotary_dim!r}"
             )
-        self.rotary_dim = None if rotary_dim is None else int(rotary_dim)
+        if not isinstance(interleaved, bool):
+            raise ValueError("Argument `interleaved` must be `True` or "
+                             f"`False`. Received: interleaved={interleaved!r}")
+        self._rotary_dim = None if rotary_dim is None else int(rotary_dim)
+        self._interleaved = interleaved
+        # The frequencies, computed once: here when `d` is known, else in
+        # `build` from the first input's `H`. Never changed afterwards.
+        self._tables = None
+        if rotary_dim is None:
+            return
+        self._tables = self._rope.tables(self._rotary_dim)
         self.built = True
 
+    def build(self, input_shape):
+        self._tables = self._rope.tables(
+            rotary_dim_of(input_shape, self._rotary_dim)
+        )
+
+    max_wavelength = _read_only("max_wavelength")
+    scaling_factor = _read_only("scaling_factor")
+    rope_type = _read_only("rope_type")
+    beta_fast = _read_only("beta_fast")
+    beta_slow = _read_only("beta_slow")
+    original_max_position_embeddings = _read_only(
+        "original_max_position_embeddings"
+    )
+    truncate = _read_only("truncate")
+    low_freq_factor = _read_only("low_freq_factor")
+    high_freq_factor = _read_only("high_freq_factor")
+    short_factor = _read_only("short_factor")
+    long_factor = _read_only("long_factor")
+
+    @property
+    def attention_factor(self):
+        """What cos and sin are multiplied by: the argument, or the type's
+        default (Hugging Face's `attention_scaling`)."""
+        return self._rope.cos_sin_factor
+
+    @property
+    def rotary_dim(self):
+        return self._rotary_dim
+
+    @property
+    def interleaved(self):
+        return self._interleaved
+
     def call(self, inputs, start_index=0, positions=None):
-        d = rotary_dim_of(inputs.shape, self.rotary_dim)
+        d = rotary_dim_of(inputs.shape, self._rotary_dim)
+        tables = self._tables
+        if tables is None or tables.d != d:  # `call` unbuilt, or another H
+            tables = self._rope.tables(d)
         if positions is None:
-            positions = ops.arange(
-                ops.shape(inputs)[1], dtype="float32"
-            ) + ops.cast(start_index, "float32")  # (L,)
-        positions = _checked_positions(ops.convert_to_tensor(positions))
-        # 1/scaling_factor is folded into the frequencies, in float64: the
-        # same angles in real arithmetic, one float32 rounding fewer.
-        inv_freq = np.power(
-            float(self.max_wavelength), -np.arange(0, d, 2) / d
-        ) / self.scaling_factor  # (d/2,)
+            length = ops.shape(inputs)[1]
+            start = ops.cast(start_index, "float32")
+            positions = ops.arange(length, dtype="float32") + start  # (L,)
+            if self._rope.length_dependent:
+                largest = start + ops.cast(length - 1, "float32")
+        else:
+            positions = _checked_positions(ops.convert_to_tensor(positions))
+            positions = ops.cast(positions, "float32")  # (L,) or (B, L)
+            if self._rope.length_dependent:
+                largest = ops.max(positions)
+        if self._rope.length_dependent:
+            frequencies = self._length_dependent(tables, largest)
+        else:
+            frequencies = ops.convert_to_tensor(tables.frequencies, "float32")
         angles = ops.multiply(
-            ops.expand_dims(ops.cast(positions, "float32"), -1),
-            inv_freq.astype("float32"),
+            ops.expand_dims(positions, -1), frequencies
         )  # (L, d/2) or (B, L, d/2)
         for _ in range(len(inputs.shape) - 3):  # one axis per head axis
             angles = ops.expand_dims(angles, -2)  # (.., L, 1, d/2)
         dtype = keras.backend.result_type(inputs.dtype, "float32")
-        cos = ops.cast(ops.cos(angles), dtype)
-        sin = ops.cast(ops.sin(angles), dtype)
+        cos, sin = ops.cos(angles), ops.sin(angles)
+        factor = self._rope.cos_sin_factor
+        if factor != 1:
+            cos, sin = cos * factor, sin * factor
+        cos, sin = ops.cast(cos, dtype), ops.cast(sin, dtype)
         if keras.backend.backend() == "torch":
             from keras_mha.attention import kernels
 
-            return kernels.rotate_half(inputs, cos, sin, d)
-        splits = [d // 2] if inputs.shape[-1] == d else [d // 2, d]
-        x1, x2, *rest = ops.split(inputs, splits, axis=-1)  # rest: [d:]
-        x1, x2 = ops.cast(x1, dtype), ops.cast(x2, dtype)
-        # (x1 + i x2) * e^{i angle}: rotate-half without building it.
-        rotated = ops.concatenate(
-            [x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1
+            rotate = (kernels.rotate_pairs if self._interleaved
+                      else kernels.rotate_half)
+            return rotate(inputs, cos, sin, d)
+        return _rotate(inputs, cos, sin, d, self._interleaved, dtype)
+
+    def _length_dependent(self, tables, largest):
+        """`(d/2,)` float32 frequencies of a call whose largest position is
+        `largest` (a scalar tensor): arithmetic, no branch, so a traced
+        call is traced once."""
+        length = self._rope.original_max_position_embeddings
+        if self._rope.rope_type == "longrope":
+            short, long = tables.frequencies
+            return ops.where(
+                ops.greater_equal(largest, length),
+                ops.convert_to_tensor(long, "float32"),
+                ops.convert_to_tensor(short, "float32"),
+            )
+        # dynamic: theta' = theta·s^(d/(d-2)), so inv_freq_i times
+        # s^(-2i/(d-2)), with s = max(1, f·(P+1)/L0 - (f-1)).
+        factor = float(self._rope.scaling_factor)
+        s = ops.maximum(
+            (largest + 1.0) * (factor / length) - (factor - 1.0), 1.0
         )
-        rotated = ops.cast(rotated, inputs.dtype)
-        return ops.concatenate([rotated, *rest], -1) if rest else rotated
+        exponents = ops.convert_to_tensor(tables.exponents, "float32")
+        return ops.multiply(
+            ops.convert_to_tensor(tables.frequencies, "float32"),
+            ops.exp(ops.multiply(exponents, ops.log(s))),
+        )
 
     def compute_output_spec(self, inputs, start_index=0, positions=None):
         """`inputs`' shape and dtype, the arguments checked: a symbolic
         call runs no arithmetic (on NumPy, `call` would run on the
         placeholder's uninitialised memory, NaNs included)."""
-        rotary_dim_of(inputs.shape, self.rotary_dim)
+        d = rotary_dim_of(inputs.shape, self._rotary_dim)
+        self._rope.check_rotary_dim(d)
         if positions is not None:
             _checked_positions(positions)
         return keras.KerasTensor(inputs.shape, dtype=inputs.dtype)
 
     def get_config(self):
         config = super().get_config()
+        rope = self._rope
         config.update(
-            max_wavelength=self.max_wavelength,
-            scaling_factor=self.scaling_factor,
-            rotary_dim=self.rotary_dim,
+            max_wavelength=rope.max_wavelength,
+            scaling_factor=rope.scaling_factor,
+            rotary_dim=self._rotary_dim,
+            rope_type=rope.rope_type,
+            beta_fast=rope.beta_fast,
+            beta_slow=rope.beta_slow,
+            original_max_position_embeddings=(
+                rope.original_max_position_embeddings
+            ),
+            truncate=rope.truncate,
+            low_freq_factor=rope.low_freq_factor,
+            high_freq_factor=rope.high_freq_factor,
+            attention_factor=rope.attention_factor,
+            short_factor=None if rope.short_factor is None
+            else list(rope.short_factor),
+            long_factor=None if rope.long_factor is None
+            else list(rope.long_factor),
+            interleaved=self._interleaved,
             autocast=self.autocast,
         )
         return config
+
+
+def _rotate(inputs, cos, sin, d, interleaved, dtype):
+    """The rotation of `inputs`' first `d` features by `cos`, `sin`
+    `(.., L, 1, d/2)`, computed in `dtype`; the rest pass unchanged."""
+    size = inputs.shape[-1]
+    x, *rest = [inputs] if size == d else ops.split(inputs, [d], axis=-1)
+    x = ops.cast(x, dtype)
+    if interleaved:
+        pairs = ops.reshape(x, (*ops.shape(x)[:-1], d // 2, 2))
+        x1, x2 = pairs[..., 0], pairs[..., 1]  # (.., d/2) each
+    else:
+        x1, x2 = ops.split(x, 2, axis=-1)
+    # (x1 + i x2) * e^{i angle}: the rotation without building rotate-half.
+    y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if interleaved:
+        rotated = ops.reshape(ops.stack([y1, y2], axis=-1), ops.shape(x))
+    else:
+        rotated = ops.concatenate([y1, y2], axis=-1)
+    rotated = ops.cast(rotated, inputs.dtype)
+    return ops.concatenate([rotated, *rest], -1) if rest else rotated

@@ -57,16 +57,33 @@ def alibi_slopes(num_heads):
 
 
 def rotate(x, positions, max_wavelength=10000.0, scaling_factor=1.0,
-           rotary_dim=None):
-    """RoPE of `x` `(B, L, heads, H)` at `positions` `(L,)`, complex form."""
+           rotary_dim=None, inv_freq=None, attention_factor=1.0,
+           interleaved=False):
+    """RoPE of `x` `(B, L, heads, H)` at `positions` `(L,)`, complex form.
+
+    Pairs `(x_i, x_{i+d/2})`, or `(x_{2i}, x_{2i+1})` when `interleaved`,
+    turn by `positions · inv_freq` (by default `max_wavelength ** (-2i/d)
+    / scaling_factor`) and are scaled by `attention_factor`.
+    """
     d = x.shape[-1] if rotary_dim is None else rotary_dim
     half = d // 2
-    theta = max_wavelength ** (-2.0 * np.arange(half) / d)
-    angle = (np.asarray(positions, "float64") / scaling_factor)[:, None] * theta
-    z = (x[..., :half] + 1j * x[..., half:d]) * np.exp(1j * angle)[
-        None, :, None, :
-    ]
-    return np.concatenate([z.real, z.imag, x[..., d:]], axis=-1)
+    if inv_freq is None:
+        inv_freq = max_wavelength ** (-2.0 * np.arange(half) / d)
+        inv_freq = inv_freq / scaling_factor
+    angle = np.asarray(positions, "float64")[:, None] * np.asarray(inv_freq)
+    if interleaved:
+        first, second = x[..., 0:d:2], x[..., 1:d:2]
+    else:
+        first, second = x[..., :half], x[..., half:d]
+    z = (first + 1j * second) * np.exp(1j * angle)[None, :, None, :]
+    z = z * attention_factor
+    if interleaved:
+        turned = np.stack([z.real, z.imag], axis=-1).reshape(
+            z.shape[:-1] + (d,)
+        )
+    else:
+        turned = np.concatenate([z.real, z.imag], axis=-1)
+    return np.concatenate([turned, x[..., d:]], axis=-1)
 
 
 def reference_attention(

@@ -392,3 +392,114 @@ class TestCacheErrors:
         _, layer = self._layer(rng)
         with pytest.raises(ValueError, match="Received"):
             layer.init_cache(*args)
+
+
+# Every rope type on heads of 4 (two pairs). The length-dependent types
+# switch at 4 positions: the prompt of 5 is already beyond it, so every
+# call of a decode takes the same side as the full pass.
+ROPES = {
+    "linear": dict(max_wavelength=100, scaling_factor=2.0),
+    "interleaved": dict(max_wavelength=100, interleaved=True),
+    # Llama 3.1's and gpt-oss's published parameters.
+    "llama3": dict(rope_type="llama3", max_wavelength=500000,
+                   scaling_factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0,
+                   original_max_position_embeddings=8192),
+    "yarn": dict(rope_type="yarn", max_wavelength=150000,
+                 scaling_factor=32.0, truncate=False,
+                 original_max_position_embeddings=4096),
+    "longrope": dict(rope_type="longrope", max_wavelength=100,
+                     scaling_factor=4.0, short_factor=[1.0, 1.5],
+                     long_factor=[2.0, 6.0],
+                     original_max_position_embeddings=4),
+    "dynamic": dict(rope_type="dynamic", max_wavelength=100,
+                    scaling_factor=3.0, original_max_position_embeddings=4),
+}
+
+
+def _rope_stack(x, rope, window, dtype=None, count=2):
+    return [
+        make_layer(x, x, seed=i, num_heads=4, key_dim=4,
+                   num_key_value_heads=2, sliding_window=window, dtype=dtype,
+                   rotary_embedding=keras_mha.RotaryEmbedding(**ROPES[rope]))
+        for i in range(count)
+    ]
+
+
+class TestRopeTypes:
+    """Decoding with every rope type, on full and rolling caches."""
+
+    @pytest.mark.usefixtures("decode_implementation")
+    @pytest.mark.parametrize("window", [None, 3])
+    @pytest.mark.parametrize("rope", [r for r in ROPES if r != "dynamic"])
+    def test_prefill_then_token_by_token(self, rng, rope, window):
+        x = rng.normal(size=(2, 9, 8)).astype("float32")
+        layers = _rope_stack(x, rope, window)
+        decoded, _ = _decode(layers, x, prompt_length=5)
+        # The outputs reach about 20 (two residual layers; YaRN's factor
+        # sharpens the softmax): the two computations' float32 roundings
+        # differ by up to 2e-5 there, about 1e-6 of the scale.
+        np.testing.assert_allclose(decoded, _full(layers, x), atol=5e-5,
+                                   rtol=1e-5)
+
+    def test_dynamic_keeps_each_key_as_written(self, rng):
+        """Dynamic NTK rotates a call with the base of its largest
+        position: keys cached before the switch keep the rotation they
+        were written with, and later steps attend to them so (as
+        transformers' cache does). The cache holds exactly those keys; the
+        result is not the full pass's, where every key has the last base."""
+        x = rng.normal(size=(2, 9, 8)).astype("float32")
+        layers = _rope_stack(x, "dynamic", None, count=1)
+        layer = layers[0]
+        decoded, caches = _decode(layers, x, prompt_length=3)
+        keys = to_numpy(layer.key_dense(x))  # (B, S, K, H)
+        rope = layer.rotary_embedding
+        written = [to_numpy(rope(keys[:, :3], start_index=0))] + [
+            to_numpy(rope(keys[:, j : j + 1], start_index=j))
+            for j in range(3, 9)
+        ]
+        np.testing.assert_allclose(to_numpy(caches[0][0]),
+                                   np.concatenate(written, 1), atol=1e-6)
+        # The prompt is the full pass over the prompt alone (largest
+        # position 2, below the switch); over all 9 tokens every key has
+        # the base of position 8.
+        np.testing.assert_allclose(decoded[:, :3], _full(layers, x[:, :3]),
+                                   atol=1e-5, rtol=1e-5)
+        assert not np.allclose(decoded[:, 1:], _full(layers, x)[:, 1:],
+                               atol=1e-3)
+
+    @pytest.mark.parametrize("rope", ["yarn", "longrope", "dynamic"])
+    def test_compiled_steps_with_tensor_index(self, rng, rope):
+        """Steps compiled once (jax.jit, tf.function with XLA; eager on
+        torch and NumPy), the index a tensor: the same as eager steps,
+        across the length-dependent types' switch."""
+        x = rng.normal(size=(2, 6, 8)).astype("float32")
+        layer = _rope_stack(x, rope, 4, count=1)[0]
+
+        def step(token, cache, index):
+            return layer(token, token, use_causal_mask=True, cache=cache,
+                         cache_update_index=index)
+
+        outputs = {}
+        for name, run in (("eager", step), ("compiled", compiled(step))):
+            cache = layer.init_cache(2, 6)
+            outputs[name] = []
+            for i in range(6):
+                index = keras.ops.convert_to_tensor(i, dtype="int32")
+                out, cache = run(x[:, i : i + 1], cache, index)
+                outputs[name].append(to_numpy(out))
+        np.testing.assert_allclose(np.concatenate(outputs["compiled"], 1),
+                                   np.concatenate(outputs["eager"], 1),
+                                   atol=1e-5, rtol=1e-5)
+
+    @pytest.mark.parametrize("rope", ["interleaved", "yarn", "longrope"])
+    def test_mixed_precision(self, rng, rope):
+        """`mixed_bfloat16`: decoding equals the full pass in that policy
+        (the rotation itself is checked against float32 in
+        `test_rotary.py`)."""
+        x = rng.normal(size=(2, 9, 8)).astype("float32")
+        layers = _rope_stack(x, rope, 3, dtype="mixed_bfloat16")
+        decoded, _ = _decode(layers, x, prompt_length=5)
+        assert np.isfinite(decoded).all()
+        np.testing.assert_allclose(decoded, _full(layers, x), atol=5e-2,
+                                   rtol=5e-2)

@@ -35,6 +35,13 @@ LAYER_FEATURES = {
             50, scaling_factor=2.0, rotary_dim=4
         )
     },
+    # gpt-oss's published YaRN in the interleaved layout.
+    "yarn_interleaved_rope": {
+        "rotary_embedding": lambda: keras_mha.RotaryEmbedding(
+            150000, scaling_factor=32.0, rope_type="yarn", truncate=False,
+            interleaved=True,
+        )
+    },
     "scale": {"scale": 0.9},
     "soft_cap": {"attn_logits_soft_cap": 1.5},
     "sinks": {"use_sinks": True},

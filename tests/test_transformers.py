@@ -1,20 +1,25 @@
 """Hugging Face attention modules: `from_torch` computes what they compute.
 
-Each module runs in torch, float32, with its model's own rotary embedding
-and a causal (or sliding-window causal) mask in the additive form its eager
-attention adds to the logits; our layer gets the same `(B, T, E)` input on
-the active backend and `use_causal_mask=True`. Every case has the same
-shapes, so JAX compiles little.
+Each case is a tiny random `*ForCausalLM` with its family's published
+attention settings (rope types with their published parameters, windows,
+soft-caps, sinks), run whole in torch, float32, eager attention
+(`hf_models.run_causal_lm`): the model builds its masks and rotary tables.
+Each attention module's captured input goes through `from_torch(module)`
+on the active backend as `layer(x, x, use_causal_mask=True)`, and the
+result must equal the module's captured output.
 """
 
-import importlib
+import functools
 import types
 
 import numpy as np
 import pytest
+from hf_models import decode_causal_lm
+from hf_models import run_causal_lm
 from util import to_numpy
 
 import keras_mha
+from keras_mha import rope_parameters
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -24,6 +29,9 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 WINDOW = 5  # < LENGTH, so the window matters
 THETA = 500.0  # small, so that positions matter at LENGTH
 SOFT_CAP = 2.0  # about the logits' size, so that it matters
+# Length-dependent types switch at 16 positions: runs of 8 and 24 tokens
+# fall on either side.
+SWITCH, SHORT, LONG = 16, 8, 24
 
 COMMON = dict(
     hidden_size=HIDDEN,
@@ -31,180 +39,261 @@ COMMON = dict(
     num_key_value_heads=KV_HEADS,
     intermediate_size=16,
     vocab_size=16,
-    attn_implementation="eager",
 )
+_FACTORS = np.random.default_rng(7)
+LONGROPE = {
+    "rope_type": "longrope", "rope_theta": THETA, "factor": 4.0,
+    "original_max_position_embeddings": SWITCH,
+    "short_factor": [float(x) for x in _FACTORS.uniform(1, 1.5, 4)],
+    "long_factor": [float(x) for x in _FACTORS.uniform(2, 8, 4)],
+}
+# Llama 3.1-3.3's published rope parameters.
+LLAMA3 = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# Qwen2.5's published long-context YaRN.
+YARN = {
+    "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+    "original_max_position_embeddings": 32768,
+}
 
-# case id -> (model, config class, config arguments, layer_idx)
+# case id -> (config class, config arguments, sequence length)
 CASES = {
-    "llama": ("llama", "LlamaConfig", dict(num_hidden_layers=1), 0),
+    "llama": ("LlamaConfig", dict(num_hidden_layers=1), LENGTH),
     # transformers' default RoPE for Llama rotates every feature anyway.
     "llama_bias_partial_rotary_factor": (
-        "llama",
         "LlamaConfig",
         dict(num_hidden_layers=1, attention_bias=True,
              partial_rotary_factor=0.5),
-        0,
+        LENGTH,
     ),
+    "llama_linear": (
+        "LlamaConfig",
+        dict(num_hidden_layers=1, rope_parameters={
+            "rope_type": "linear", "rope_theta": THETA, "factor": 2.0}),
+        LENGTH,
+    ),
+    "llama_llama3": (
+        "LlamaConfig",
+        dict(num_hidden_layers=1, rope_parameters=LLAMA3,
+             max_position_embeddings=131072),
+        LENGTH,
+    ),
+    "llama_yarn": (
+        "LlamaConfig",
+        dict(num_hidden_layers=1, rope_parameters=YARN,
+             max_position_embeddings=131072),
+        LENGTH,
+    ),
+    **{
+        f"llama_dynamic_{side}": (
+            "LlamaConfig",
+            dict(num_hidden_layers=1, max_position_embeddings=SWITCH,
+                 rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                  "rope_theta": THETA}),
+            length,
+        )
+        for side, length in (("short", SHORT), ("long", LONG))
+    },
+    **{
+        f"llama_longrope_{side}": (
+            "LlamaConfig",
+            dict(num_hidden_layers=1, rope_parameters=LONGROPE,
+                 max_position_embeddings=4 * SWITCH),
+            length,
+        )
+        for side, length in (("short", SHORT), ("long", LONG))
+    },
     "mistral_window": (
-        "mistral", "MistralConfig",
-        dict(num_hidden_layers=1, sliding_window=WINDOW), 0,
+        "MistralConfig", dict(num_hidden_layers=1, sliding_window=WINDOW),
+        LENGTH,
     ),
     # `max_window_layers=1`: layer 0 is full, layer 1 sliding.
-    **{
-        f"qwen2_{kind}": (
-            "qwen2", "Qwen2Config",
-            dict(num_hidden_layers=2, use_sliding_window=True,
-                 sliding_window=WINDOW, max_window_layers=1),
-            layer_idx,
-        )
-        for kind, layer_idx in (("full", 0), ("sliding", 1))
-    },
+    "qwen2_windows": (
+        "Qwen2Config",
+        dict(num_hidden_layers=2, use_sliding_window=True,
+             sliding_window=WINDOW, max_window_layers=1),
+        LENGTH,
+    ),
+    "qwen2_yarn": (
+        "Qwen2Config",
+        dict(num_hidden_layers=1, rope_parameters=YARN,
+             max_position_embeddings=131072),
+        LENGTH,
+    ),
     # Gemma 2 and gpt-oss alternate: even layers slide, odd ones are full.
-    **{
-        f"gemma2_{kind}": (
-            "gemma2", "Gemma2Config",
-            dict(num_hidden_layers=2, head_dim=HEAD_DIM, sliding_window=WINDOW,
-                 attn_logit_softcapping=SOFT_CAP, query_pre_attn_scalar=20),
-            layer_idx,
-        )
-        for kind, layer_idx in (("sliding", 0), ("full", 1))
-    },
-    **{
-        f"gpt_oss_{kind}": (
-            "gpt_oss", "GptOssConfig",
-            dict(num_hidden_layers=2, head_dim=HEAD_DIM, sliding_window=WINDOW,
-                 num_local_experts=2, num_experts_per_tok=1,
-                 rope_parameters={"rope_type": "default",
-                                  "rope_theta": THETA}),
-            layer_idx,
-        )
-        for kind, layer_idx in (("sliding", 0), ("full", 1))
-    },
+    "gemma2_windows": (
+        "Gemma2Config",
+        dict(num_hidden_layers=2, head_dim=HEAD_DIM, sliding_window=WINDOW,
+             attn_logit_softcapping=SOFT_CAP, query_pre_attn_scalar=20),
+        LENGTH,
+    ),
+    # gpt-oss's published YaRN (its config's default rope parameters).
+    "gpt_oss_yarn": (
+        "GptOssConfig",
+        dict(num_hidden_layers=2, head_dim=HEAD_DIM, sliding_window=WINDOW,
+             num_local_experts=2, num_experts_per_tok=1),
+        LENGTH,
+    ),
 }
 
 
-def _modeling(model):
-    return importlib.import_module(
-        f"transformers.models.{model}.modeling_{model}"
-    )
-
-
-def _prefix(model):
-    return {"gpt_oss": "GptOss", "qwen2": "Qwen2", "gemma2": "Gemma2"}.get(
-        model, model.capitalize()
-    )
-
-
-def _config(model, config_class, **kwargs):
+def _config(case_id):
+    config_class, kwargs, _ = CASES[case_id]
     kwargs = {**COMMON, **kwargs}
-    kwargs.setdefault("rope_theta", THETA)
-    if "rope_parameters" in kwargs:
-        del kwargs["rope_theta"]
+    if "rope_parameters" not in kwargs and config_class != "GptOssConfig":
+        kwargs["rope_theta"] = THETA
     return getattr(transformers, config_class)(**kwargs)
 
 
-def _module(model, config, layer_idx):
-    """The attention module, every parameter random (sinks start empty)."""
-    torch.manual_seed(layer_idx)
-    module = getattr(_modeling(model), f"{_prefix(model)}Attention")(
-        config, layer_idx
+@functools.lru_cache(maxsize=None)
+def _run(case_id):
+    """The case's model run once: one `Captured` per layer."""
+    length = CASES[case_id][2]
+    tokens = np.random.default_rng(0).integers(
+        0, COMMON["vocab_size"], size=(BATCH, length)
     )
-    with torch.no_grad():
-        for parameter in module.parameters():
-            parameter.copy_(torch.randn(parameter.shape) * 0.25)
-    return module.eval()
+    return tuple(run_causal_lm(_config(case_id), tokens))
 
 
-def _mask(window):
-    """The additive `(B, 1, T, T)` mask eager attention adds to the logits."""
-    q_idx = np.arange(LENGTH)[:, None]
-    kv_idx = np.arange(LENGTH)[None, :]
-    allowed = kv_idx <= q_idx
-    if window is not None:
-        allowed &= kv_idx > q_idx - window  # transformers' sliding overlay
-    mask = np.where(allowed, 0.0, np.finfo("float32").min)
-    return torch.from_numpy(
-        np.broadcast_to(mask, (BATCH, 1, LENGTH, LENGTH)).astype("float32")
+PROMPT, DECODED = 12, 20
+
+
+@functools.lru_cache(maxsize=None)
+def _decode(case_id):
+    """The case's model decoding `DECODED` tokens after a prompt of
+    `PROMPT`: per call, one `Captured` per layer."""
+    tokens = np.random.default_rng(1).integers(
+        0, COMMON["vocab_size"], size=(BATCH, DECODED)
     )
+    return tuple(decode_causal_lm(_config(case_id), tokens, PROMPT))
 
 
-def _run_module(model, module, x):
-    rotary = getattr(_modeling(model), f"{_prefix(model)}RotaryEmbedding")(
-        module.config
-    )
-    x = torch.from_numpy(x)
-    position_ids = torch.arange(LENGTH)[None].expand(BATCH, LENGTH)
-    window = getattr(module, "sliding_window", None)
-    if model == "mistral":  # Mistral windows every layer by its config
-        window = module.config.sliding_window
-    with torch.no_grad():
-        output, _ = module(
-            x,
-            position_embeddings=rotary(x, position_ids),
-            attention_mask=_mask(window),
-        )
-    return output.numpy()
+def _layer_cases():
+    return [
+        pytest.param(case_id, index, id=f"{case_id}-layer{index}")
+        for case_id, (_, kwargs, _) in CASES.items()
+        for index in range(kwargs["num_hidden_layers"])
+    ]
 
 
-def _inputs():
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(BATCH, LENGTH, HIDDEN)).astype("float32")
-
-
-def _case(case_id):
-    model, config_class, kwargs, layer_idx = CASES[case_id]
-    config = _config(model, config_class, **kwargs)
-    return model, _module(model, config, layer_idx)
+def _imported_output(captured):
+    layer = keras_mha.from_torch(captured.module)
+    x = captured.hidden_states
+    return to_numpy(layer(x, x, use_causal_mask=True))
 
 
 class TestOutputs:
-    @pytest.mark.parametrize("case_id", list(CASES))
-    def test_matches_module(self, case_id):
-        model, module = _case(case_id)
-        x = _inputs()
-        expected = _run_module(model, module, x)
-        layer = keras_mha.from_torch(module)
-        output = to_numpy(layer(x, x, use_causal_mask=True))
-        np.testing.assert_allclose(output, expected, atol=2e-5, rtol=1e-5)
+    @pytest.mark.parametrize("case_id, index", _layer_cases())
+    def test_matches_module_in_model(self, case_id, index):
+        captured = _run(case_id)[index]
+        np.testing.assert_allclose(
+            _imported_output(captured), captured.output, atol=2e-5, rtol=1e-5
+        )
 
     def test_reads_features(self):
-        _, gemma = _case("gemma2_sliding")
+        gemma = _run("gemma2_windows")[0].module
         layer = keras_mha.from_torch(gemma)
         assert layer.sliding_window == WINDOW
         assert layer.attn_logits_soft_cap == SOFT_CAP
         assert layer.scale == pytest.approx(20**-0.5)
         assert layer.rotary_embedding.max_wavelength == THETA
         assert layer.num_key_value_heads == KV_HEADS
-        _, qwen2 = _case("qwen2_full")
+        qwen2 = _run("qwen2_windows")[0].module
         layer = keras_mha.from_torch(qwen2)
         assert layer.sliding_window is None and layer.use_bias
         # Qwen2's o_proj has no bias: ours is zero.
         np.testing.assert_array_equal(
             to_numpy(layer.output_dense.bias.value), np.zeros(HIDDEN)
         )
-        _, gpt_oss = _case("gpt_oss_sliding")
+        gpt_oss = _run("gpt_oss_yarn")[0].module
         layer = keras_mha.from_torch(gpt_oss)
         assert layer.use_sinks and layer.sliding_window == WINDOW
         np.testing.assert_array_equal(
             to_numpy(layer.sinks.value), gpt_oss.sinks.detach().numpy()
         )
 
-    def test_config_before_rope_parameters(self):
+    @pytest.mark.parametrize("case_id, rope, attention_factor", [
+        ("gpt_oss_yarn", dict(rope_type="yarn", scaling_factor=32.0,
+                              beta_fast=32.0, beta_slow=1.0, truncate=False,
+                              original_max_position_embeddings=4096,
+                              max_wavelength=150000.0),
+         0.1 * np.log(32.0) + 1),
+        ("llama_llama3", dict(rope_type="llama3", scaling_factor=8.0,
+                              low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=8192), 1.0),
+        ("llama_dynamic_long", dict(rope_type="dynamic", scaling_factor=2.0,
+                                    original_max_position_embeddings=SWITCH),
+         1.0),
+        ("llama_longrope_long", dict(
+            rope_type="longrope", scaling_factor=4.0,
+            original_max_position_embeddings=SWITCH,
+            short_factor=tuple(LONGROPE["short_factor"]),
+            long_factor=tuple(LONGROPE["long_factor"])),
+         np.sqrt(1 + np.log(4.0) / np.log(SWITCH))),
+    ])
+    def test_reads_rope_parameters(self, case_id, rope, attention_factor):
+        captured = _run(case_id)[0]
+        rotary = keras_mha.from_torch(captured.module).rotary_embedding
+        for name, value in rope.items():
+            assert getattr(rotary, name) == value, name
+        assert rotary.rotary_dim == HEAD_DIM
+        assert rotary.attention_factor == pytest.approx(attention_factor)
+        # The model's own factor: its cos at position 0.
+        cos = captured.kwargs["position_embeddings"][0]
+        assert float(cos[0, 0, 0]) == pytest.approx(attention_factor)
+
+    @pytest.mark.parametrize("case_id, rope_scaling", [
+        ("llama", None),
+        ("llama_linear", {"type": "linear", "factor": 2.0}),
+        ("llama_dynamic_long", {"rope_type": "dynamic", "factor": 2.0}),
+    ])
+    def test_config_before_rope_parameters(self, case_id, rope_scaling):
         """`rope_theta` and `rope_scaling` attributes, as before 5.0."""
-        model, module = _case("llama")
-        x = _inputs()
-        expected = _run_module(model, module, x)
-        old = module.config.to_dict()
+        captured = _run(case_id)[0]
+        module = captured.module
+        config = module.config
+        old = config.to_dict()
         del old["rope_parameters"]
         module.config = types.SimpleNamespace(
-            **old, rope_theta=THETA, rope_scaling=None
+            **old, rope_theta=THETA, rope_scaling=rope_scaling
         )
-        layer = keras_mha.from_torch(module)
-        output = to_numpy(layer(x, x, use_causal_mask=True))
-        np.testing.assert_allclose(output, expected, atol=2e-5, rtol=1e-5)
+        try:
+            output = _imported_output(captured)
+        finally:
+            module.config = config
+        np.testing.assert_allclose(output, captured.output, atol=2e-5,
+                                   rtol=1e-5)
+
+    # Decoding across the length-dependent types' switch at 16 (a prompt of
+    # 12, then one token at a time to 20), and gpt-oss's YaRN with its
+    # sliding layer's rolling cache.
+    @pytest.mark.parametrize("case_id", ["llama_dynamic_long",
+                                         "llama_longrope_long",
+                                         "gpt_oss_yarn"])
+    def test_decoding_matches_the_models_cache(self, case_id):
+        """Step by step with a cache, the layer computes what the module
+        computes with transformers' cache: each key keeps the rotation of
+        the call that wrote it, in both (see `RotaryEmbedding`)."""
+        calls = _decode(case_id)
+        for index, first in enumerate(calls[0]):
+            layer = keras_mha.from_torch(first.module)
+            cache = layer.init_cache(BATCH, DECODED)
+            start = 0
+            for call in calls:
+                x = call[index].hidden_states
+                output, cache = layer(x, x, use_causal_mask=True,
+                                      cache=cache, cache_update_index=start)
+                np.testing.assert_allclose(
+                    to_numpy(output), call[index].output, atol=2e-5,
+                    rtol=1e-5, err_msg=f"layer {index}, position {start}",
+                )
+                start += x.shape[1]
 
     def test_layer_kwargs(self):
-        _, module = _case("mistral_window")
+        module = _run("mistral_window")[0].module
         layer = keras_mha.from_torch(
             module, name="imported", dropout=0.25, num_heads=HEADS,
             sliding_window=WINDOW, output_shape=HIDDEN,
@@ -213,32 +302,106 @@ class TestOutputs:
         assert layer.sliding_window == WINDOW
 
 
+class TestRopeParameters:
+    """`keras_mha.rope_parameters` on configs that the families above do
+    not publish but later ones do; transformers' function is the oracle."""
+
+    @staticmethod
+    def _config(rope_parameters, **attributes):
+        return types.SimpleNamespace(
+            rope_parameters=rope_parameters, head_dim=HEAD_DIM,
+            hidden_size=HIDDEN, num_attention_heads=HEADS,
+            max_position_embeddings=163840,
+            standardize_rope_params=lambda: None, **attributes,
+        )
+
+    def _hugging_face(self, config):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_type = config.rope_parameters["rope_type"]
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        return inv_freq.numpy(), factor
+
+    def test_one_dict_per_layer_type(self):
+        config = self._config(
+            {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                "rope_theta": 1e6},
+             "sliding_attention": {"rope_type": "default",
+                                   "rope_theta": 1e4}},
+            layer_types=["sliding_attention", "full_attention"],
+        )
+        full = rope_parameters.rotary_embedding(config, HEAD_DIM, "Test",
+                                                "full_attention")
+        sliding = rope_parameters.rotary_embedding(config, HEAD_DIM, "Test",
+                                                   "sliding_attention")
+        assert (full.rope_type, full.max_wavelength,
+                full.scaling_factor) == ("linear", 1e6, 2.0)
+        assert (sliding.rope_type, sliding.max_wavelength) == ("default",
+                                                               1e4)
+
+    @pytest.mark.parametrize("factor", [40.0, None], ids=["factor", "ratio"])
+    def test_yarn_mscale(self, factor):
+        """DeepSeek's YaRN: the attention factor from `mscale` and
+        `mscale_all_dim`; no `factor` means the ratio of the lengths."""
+        params = {"rope_type": "yarn", "rope_theta": 10000.0,
+                  "factor": factor, "mscale": 1.0, "mscale_all_dim": 0.8,
+                  "beta_fast": 32, "beta_slow": 1,
+                  "original_max_position_embeddings": 4096}
+        config = self._config(params)
+        inv_freq, attention_factor = self._hugging_face(config)
+        rotary = rope_parameters.rotary_embedding(config, HEAD_DIM, "Test")
+        assert rotary.attention_factor == pytest.approx(attention_factor,
+                                                        rel=1e-12)
+        assert rotary.scaling_factor == (factor or 163840 / 4096)
+
+    def test_original_length_beside_the_rope_parameters(self):
+        """Phi-3 keeps `original_max_position_embeddings` on the config;
+        transformers prefers it to the rope parameters'."""
+        params = {"rope_type": "longrope", "rope_theta": 10000.0,
+                  "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                  "original_max_position_embeddings": 2048}
+        config = self._config(params, original_max_position_embeddings=4096)
+        rotary = rope_parameters.rotary_embedding(config, HEAD_DIM, "Test")
+        assert rotary.original_max_position_embeddings == 4096
+        assert rotary.attention_factor == pytest.approx(
+            np.sqrt(1 + np.log(163840 / 4096) / np.log(4096))
+        )
+
+
+def _module(case_id, **config_changes):
+    """A new attention module of the case's class, its config changed."""
+    config = _config(case_id)
+    for name, value in config_changes.items():
+        setattr(config, name, value)
+    return type(_run(case_id)[0].module)(config, 0)
+
+
 class TestErrors:
-    @pytest.mark.parametrize(
-        "rope_parameters",
-        [
-            {"rope_type": "linear", "factor": 2.0, "rope_theta": THETA},
-            None,  # gpt-oss's default: yarn
-        ],
-        ids=["linear", "yarn"],
-    )
-    def test_rope_type(self, rope_parameters):
-        model, config_class, kwargs, _ = CASES["gpt_oss_full"]
-        kwargs = {**kwargs, "rope_parameters": rope_parameters}
-        module = _module(model, _config(model, config_class, **kwargs), 1)
-        rope_type = "linear" if rope_parameters else "yarn"
+    @pytest.mark.parametrize("rope_type", ["proportional", "mrope"])
+    def test_rope_type(self, rope_type):
+        module = _module("llama", rope_parameters={
+            "rope_type": rope_type, "rope_theta": THETA})
         with pytest.raises(ValueError, match=f"rope_type='{rope_type}'"):
             keras_mha.from_torch(module)
 
     def test_rope_type_before_rope_parameters(self):
-        _, module = _case("llama")
+        module = _module("llama")
         old = module.config.to_dict()
         del old["rope_parameters"]
         module.config = types.SimpleNamespace(
-            **old, rope_theta=THETA,
-            rope_scaling={"type": "dynamic", "factor": 2.0},
+            **old, rope_theta=THETA, rope_scaling={"type": "su"},
         )
-        with pytest.raises(ValueError, match="rope_type='dynamic'"):
+        with pytest.raises(ValueError, match="rope_type='su'"):
+            keras_mha.from_torch(module)
+
+    def test_partial_rotary_factor_of_a_scaled_type(self):
+        """Llama's scaled types make tables of `H · factor` features that
+        its `apply_rotary_pos_emb` cannot apply to `H`: named, not run."""
+        module = _module("llama", rope_parameters={
+            "rope_type": "linear", "factor": 2.0, "rope_theta": THETA,
+            "partial_rotary_factor": 0.5})
+        with pytest.raises(ValueError,
+                           match=r"Received: partial_rotary_factor=0\.5"):
             keras_mha.from_torch(module)
 
     @pytest.mark.parametrize(
@@ -254,12 +417,12 @@ class TestErrors:
         ],
     )
     def test_fixed_by_module(self, argument, value):
-        _, module = _case("mistral_window")
+        module = _module("mistral_window")
         with pytest.raises(ValueError, match=f"`{argument}` is fixed"):
             keras_mha.from_torch(module, **{argument: value})
 
     def test_subclass(self):
-        model, module = _case("llama")
+        module = _module("llama")
 
         class Custom(type(module)):
             pass

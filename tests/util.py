@@ -8,6 +8,8 @@ import keras_mha
 from keras_mha.attention import AttentionSpec
 from keras_mha.attention.spec import default_scale
 from keras_mha.attention.spec import window_sides
+from keras_mha.rope_scaling import LENGTH_DEPENDENT
+from keras_mha.rope_scaling import RopeScaling
 from reference import layer_weights
 from reference import reference_attention
 
@@ -91,17 +93,36 @@ def reference(layer, query, value, key=None, **kwargs):
     kwargs.setdefault("alibi", layer.use_alibi)
     if layer.sinks is not None:
         kwargs.setdefault("sinks", to_numpy(layer.sinks).astype("float64"))
-    rotary = layer.rotary_embedding
-    if rotary is not None:
+    if layer.rotary_embedding is not None:
         kwargs.setdefault(
-            "rotary",
-            {
-                name: rotary.get_config()[name]
-                for name in ("max_wavelength", "scaling_factor", "rotary_dim")
-            },
+            "rotary", rotary_reference_arguments(layer.rotary_embedding,
+                                                 layer.key_dim)
         )
     return reference_attention(
         layer_weights(layer), query, value, key=key, **kwargs
+    )
+
+
+def rotary_reference_arguments(rotary, head_dim):
+    """`reference.rotate`'s arguments for a `keras_mha.RotaryEmbedding` of
+    a static rope type (the length-dependent ones have no single table):
+    its float64 frequencies, which `test_rotary.py` checks against
+    transformers', and cos/sin factor."""
+    config = rotary.get_config()
+    if config["rope_type"] in LENGTH_DEPENDENT:
+        raise ValueError(
+            "The reference has one table per call: it cannot follow "
+            f"rope_type={config['rope_type']!r}."
+        )
+    d = config["rotary_dim"] or head_dim
+    scaling = RopeScaling(**{
+        name: config[name] for name in RopeScaling.__dataclass_fields__
+    })
+    return dict(
+        rotary_dim=d,
+        inv_freq=np.asarray(scaling.frequencies(d)),
+        attention_factor=scaling.cos_sin_factor,
+        interleaved=config["interleaved"],
     )
 
 

@@ -17,7 +17,8 @@ time with a backward of its own, and without a gradient a head at a time on
 views of the projections (the features table of docs/performance.md measures each).
 
 `project`: `EinsumDense`'s einsum and bias as one `torch.addmm`
-(`projections.Projection`); `rotate_half`: the rotary embedding in place.
+(`projections.Projection`); `rotate_half` and `rotate_pairs`: the rotary
+embedding in place, in either layout.
 The cache's in-place writes are in `cache_kernels.py`, the decode step's
 kernels in `decode_kernels.py`.
 
@@ -482,6 +483,29 @@ def rotate_half(x, cos, sin, rotary_dim):
     out = rot * torch.cat([cos, cos], dim=-1)
     out[..., :half].addcmul_(x2, sin, value=-1.0)
     out[..., half:].addcmul_(x1, sin)
+    out = out.to(x.dtype)
+    if rotary_dim < x.shape[-1]:
+        out = torch.cat([out, x[..., rotary_dim:]], dim=-1)
+    return out
+
+
+def rotate_pairs(x, cos, sin, rotary_dim):
+    """`rotate_half` for the interleaved layout: features `2i` and
+    `2i + 1` turn together (`RotaryEmbedding(interleaved=True)`).
+
+    `out = x·cos` with each cos repeated for its pair, then the even and the
+    odd features get their `∓ x_other·sin` in place, on strided views:
+    about half the time of the portable reshape, products and stack.
+
+    Args and Returns: as `rotate_half`.
+    """
+    import torch
+
+    dtype = torch.promote_types(x.dtype, cos.dtype)
+    rot = x[..., :rotary_dim].to(dtype)
+    out = rot * torch.repeat_interleave(cos, 2, dim=-1)
+    out[..., 0::2].addcmul_(rot[..., 1::2], sin, value=-1.0)
+    out[..., 1::2].addcmul_(rot[..., 0::2], sin)
     out = out.to(x.dtype)
     if rotary_dim < x.shape[-1]:
         out = torch.cat([out, x[..., rotary_dim:]], dim=-1)

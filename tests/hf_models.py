@@ -1,0 +1,119 @@
+"""Tiny random Hugging Face models run whole, each attention module's input
+and output captured by forward hooks: the oracle for `from_torch`.
+
+The model, not the test, builds the masks (causal, sliding, chunked) and the
+rotary tables (every rope type, with the model's own length rule), so a
+test compares `from_torch(module)(x, x, use_causal_mask=True)` with what
+the module computed inside the model. Nothing is downloaded.
+"""
+
+import dataclasses
+import inspect
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """One attention module's call inside a model.
+
+    Attributes:
+        module: the attention module (`model.model.layers[i].self_attn`).
+        hidden_states: `(B, T, E)` float32, its input.
+        output: `(B, T, E)` float32, its first output.
+        kwargs: the other arguments the decoder layer passed, as given
+            (`position_embeddings`, `attention_mask`, `position_ids`, ...).
+    """
+
+    module: object
+    hidden_states: np.ndarray
+    output: np.ndarray
+    kwargs: dict
+
+
+def run_causal_lm(config, token_ids, seed=0, scale=0.25):
+    """Builds the `*ForCausalLM` of `config`, runs it, captures attention.
+
+    Args:
+        config: a `transformers` config; the model uses eager attention.
+        token_ids: `(B, T)` integer array.
+        seed: torch seed of the model's weights.
+        scale: the attention modules' parameters are redrawn as
+            `scale · N(0, 1)` (the model's own initialization is too small
+            for the scores, and so the positions, to matter).
+
+    Returns:
+        One `Captured` per attention module, in layer order.
+    """
+    return decode_causal_lm(config, token_ids, None, seed, scale)[0]
+
+
+def decode_causal_lm(config, token_ids, prompt_length, seed=0, scale=0.25):
+    """`run_causal_lm`, decoding: the model runs on the first
+    `prompt_length` tokens, then on one token at a time, with transformers'
+    own key/value cache (`use_cache=True`), as `generate` does.
+
+    Args:
+        config, token_ids, seed, scale: as for `run_causal_lm`.
+        prompt_length: the first call's length; `None` for one call on
+            every token, without a cache.
+
+    Returns:
+        One tuple per call of the model, of one `Captured` per attention
+        module, in layer order.
+    """
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager"
+    ).eval()
+    attention = [
+        module for name, module in model.named_modules()
+        if name.endswith(".self_attn")
+    ]
+    with torch.no_grad():
+        for module in attention:
+            for parameter in module.parameters():
+                parameter.copy_(torch.randn(parameter.shape) * scale)
+    captured = []
+
+    def hook(module, args, kwargs, output):
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        captured.append(Captured(
+            module=module,
+            hidden_states=hidden.detach().numpy().copy(),
+            output=output[0].detach().numpy().copy(),
+            kwargs=kwargs,
+        ))
+
+    token_ids = torch.as_tensor(np.asarray(token_ids))
+    length = token_ids.shape[1]
+    calls = [(0, length)] if prompt_length is None else [(0, prompt_length)]
+    if prompt_length is not None:
+        calls += [(i, i + 1) for i in range(prompt_length, length)]
+    handles = [
+        module.register_forward_hook(hook, with_kwargs=True)
+        for module in attention
+    ]
+    # transformers 5.24 names the cache `cache`; earlier `past_key_values`.
+    name = ("cache" if "cache" in inspect.signature(model.forward).parameters
+            else "past_key_values")
+    results, cache = [], None
+    try:
+        with torch.no_grad():
+            for start, stop in calls:
+                outputs = model(
+                    input_ids=token_ids[:, start:stop],
+                    use_cache=prompt_length is not None,
+                    **{name: cache},
+                )
+                cache = getattr(outputs, name, None)
+                results.append(tuple(captured))
+                captured.clear()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return results
