@@ -13,6 +13,7 @@ from keras import ops
 
 from keras_mha import checks
 from keras_mha import describe as describe_lib
+from keras_mha import heads as heads_lib
 from keras_mha.attention import attend
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import decode
@@ -126,13 +127,11 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         gate = self._gate_dense(query) if self._use_gate else None
         q = layout.to_sequence(self._query_dense(query))  # (B', T, N, H)
         offset = 0 if cache_update_index is None else cache_update_index
-        if self._rotary_embedding is not None:
-            q = self._rotary_embedding(q, start_index=offset)
+        q = heads_lib.queries(self, q, offset)  # norms, RoPE, temperature
         if cache is None or cache_update_index is not None:
             k = layout.to_sequence(self._key_dense(key))  # (B', L, K, H)
             v = layout.to_sequence(self._value_dense(value))  # (B', L, K, V)
-            if self._rotary_embedding is not None:
-                k = self._rotary_embedding(k, start_index=offset)
+            k = heads_lib.keys(self, k, offset)
         spec = describe_lib.describe(
             self,
             None,

@@ -11,6 +11,7 @@ from keras import ops
 
 from keras_mha import checks
 from keras_mha import describe as describe_lib
+from keras_mha import heads as heads_lib
 from keras_mha import projections
 from keras_mha.attention import attend
 from keras_mha.attention import attend_cached
@@ -88,6 +89,18 @@ class MultiHeadAttention(keras.layers.Layer):
         use_alibi: adds ALiBi's `-m_h·|p - j|` to the logits, slopes
             `m_h = 2^(-8(h+1)/N)` (BLOOM's rule when `N` is not a power of
             two).
+        qk_norm: `None`, `"rms"` or `"l2"`: queries and keys (after the
+            projections' biases, before RoPE) become `x / sqrt(mean(x²) +
+            qk_norm_epsilon)`, with `"rms"` times the `scale` of the
+            sublayers `query_norm` and `key_norm` (Qwen3, Gemma 3, OLMo 2);
+            `"l2"` has no weights (Llama 4).
+        qk_norm_scope: `"head"`: each head's `H` features, one `(H,)`
+            scale; `"projection"`: a token's heads together, scales
+            `(N·H,)` and `(K·H,)` (OLMo 2).
+        qk_norm_epsilon: added to the mean square.
+        query_temperature: `None` or `(floor_scale, scale)`: the query at
+            position `p` (after RoPE) times `1 + scale·log(1 + floor((p +
+            1) / floor_scale))` (Llama 4); `p = cache_update_index + t`.
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -158,6 +171,10 @@ class MultiHeadAttention(keras.layers.Layer):
         attn_logits_soft_cap=None,
         use_sinks=False,
         use_alibi=False,
+        qk_norm=None,
+        qk_norm_scope="head",
+        qk_norm_epsilon=1e-6,
+        query_temperature=None,
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
@@ -181,6 +198,9 @@ class MultiHeadAttention(keras.layers.Layer):
         use_sinks = checks.boolean("use_sinks", use_sinks)
         use_alibi = checks.boolean("use_alibi", use_alibi)
         rotary_embedding = checks.rotary_embedding(rotary_embedding)
+        head_features = checks.head_features(
+            qk_norm, qk_norm_scope, qk_norm_epsilon, query_temperature
+        )
         flash_attention = checks.flash_attention(flash_attention, dropout)
         super().__init__(**kwargs)
         self.supports_masking = True
@@ -221,6 +241,9 @@ class MultiHeadAttention(keras.layers.Layer):
         self._use_sinks = use_sinks
         self._use_alibi = use_alibi
         self._rotary_embedding = rotary_embedding
+        (self._qk_norm, self._qk_norm_scope, self._qk_norm_epsilon,
+         self._query_temperature) = head_features
+        self._query_norm = self._key_norm = None  # `HeadNorm`s, built
 
     # Read-only properties as in Keras. `output_shape` is not one: it would
     # clash with `Functional.summary()`.
@@ -238,6 +261,12 @@ class MultiHeadAttention(keras.layers.Layer):
     attn_logits_soft_cap = _read_only("_soft_cap")
     use_sinks = _read_only("_use_sinks")
     use_alibi = _read_only("_use_alibi")
+    qk_norm = _read_only("_qk_norm")
+    qk_norm_scope = _read_only("_qk_norm_scope")
+    qk_norm_epsilon = _read_only("_qk_norm_epsilon")
+    query_temperature = _read_only("_query_temperature")
+    query_norm = _read_only("_query_norm", "`qk_norm='rms'`: a `HeadNorm`.")
+    key_norm = _read_only("_key_norm", "`qk_norm='rms'`: a `HeadNorm`.")
     query_dense = _read_only("_query_dense")
     key_dense = _read_only("_key_dense")
     value_dense = _read_only("_value_dense")
@@ -250,48 +279,36 @@ class MultiHeadAttention(keras.layers.Layer):
         return None if holder is None else holder.sinks
 
     def get_config(self):
-        config = {
-            "num_heads": self._num_heads,
-            "key_dim": self._key_dim,
-            "value_dim": self._value_dim,
-            "dropout": self._dropout,
-            "use_bias": self._use_bias,
-            "use_gate": self._use_gate,
-            "output_shape": self._output_shape,
-            "attention_axes": self._attention_axes,
-            "sliding_window": self._sliding_window,
-            "flash_attention": self._flash_attention,
-            "num_key_value_heads": self._num_key_value_heads,
-            "kernel_initializer": keras.initializers.serialize(
-                self._kernel_initializer
-            ),
-            "bias_initializer": keras.initializers.serialize(
-                self._bias_initializer
-            ),
-            "kernel_regularizer": keras.regularizers.serialize(
-                self._kernel_regularizer
-            ),
-            "bias_regularizer": keras.regularizers.serialize(
-                self._bias_regularizer
-            ),
-            "activity_regularizer": keras.regularizers.serialize(
-                self._activity_regularizer
-            ),
-            "kernel_constraint": keras.constraints.serialize(
-                self._kernel_constraint
-            ),
-            "bias_constraint": keras.constraints.serialize(
-                self._bias_constraint
-            ),
-            "seed": self.seed,
-            "rotary_embedding": None
+        names = (
+            "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
+            "use_gate", "output_shape", "attention_axes", "sliding_window",
+            "flash_attention", "num_key_value_heads",
+        )
+        config = {name: getattr(self, f"_{name}") for name in names}
+        for kind, module in (
+            ("initializer", keras.initializers),
+            ("regularizer", keras.regularizers),
+            ("constraint", keras.constraints),
+        ):
+            for name in ("kernel", "bias", "activity"):
+                if hasattr(self, f"_{name}_{kind}"):
+                    config[f"{name}_{kind}"] = module.serialize(
+                        getattr(self, f"_{name}_{kind}")
+                    )
+        config.update(
+            seed=self.seed,
+            rotary_embedding=None
             if self._rotary_embedding is None
             else keras.saving.serialize_keras_object(self._rotary_embedding),
-            "scale": self._given_scale,
-            "attn_logits_soft_cap": self._soft_cap,
-            "use_sinks": self._use_sinks,
-            "use_alibi": self._use_alibi,
-        }
+            scale=self._given_scale,
+            attn_logits_soft_cap=self._soft_cap,
+            use_sinks=self._use_sinks,
+            use_alibi=self._use_alibi,
+            qk_norm=self._qk_norm,
+            qk_norm_scope=self._qk_norm_scope,
+            qk_norm_epsilon=self._qk_norm_epsilon,
+            query_temperature=self._query_temperature,
+        )
         return {**super().get_config(), **config}
 
     @classmethod
@@ -354,6 +371,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 self._num_heads, name="sinks", dtype=self.dtype_policy
             )
             self._sinks_layer.build()
+        heads_lib.build_norms(self)  # `query_norm`, `key_norm`
 
     # ------------------------------------------------------------------- call
 
@@ -392,16 +410,12 @@ class MultiHeadAttention(keras.layers.Layer):
             _bool(layout.token_mask(value_mask)),
             _bool(layout.token_mask(key_mask)),
         )  # (B', S)
-        # Padding is never read, yet a weight of 0 times a NaN or inf there
-        # is NaN: zero padded tokens so garbage cannot leak into real ones.
-        q = _zero_padding(q, query_tokens)
-        k = _zero_padding(k, key_tokens)
-        v = _zero_padding(v, key_tokens)
-        if self._rotary_embedding is not None:
-            # New keys sit where the queries do when decoding, else at `j`.
-            start = 0 if cache is None else cache_update_index
-            q = self._rotary_embedding(q, start_index=start)
-            k = self._rotary_embedding(k, start_index=start)
+        # Padding zeroed, norms, RoPE, temperature (`heads.py`). New keys
+        # sit where the queries do when decoding, else at `j`.
+        start = 0 if cache is None else cache_update_index
+        q = heads_lib.queries(self, q, start, query_tokens)
+        k = heads_lib.keys(self, k, start, key_tokens)
+        v = heads_lib.zero_padding(v, key_tokens)
 
         spec = describe_lib.describe(
             self,
@@ -584,11 +598,3 @@ class MultiHeadAttention(keras.layers.Layer):
 def _bool(mask):
     return None if mask is None else ops.cast(mask, "bool")
 
-
-def _zero_padding(x, tokens):
-    """`x` `(B', L, heads, X)` with the positions where `tokens` is False
-    set to 0; `x` itself when `tokens` is `None`."""
-    if tokens is None:
-        return x
-    keep = tokens[:, :, None, None]  # (B', L, 1, 1)
-    return ops.where(keep, x, ops.zeros_like(x))

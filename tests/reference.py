@@ -13,7 +13,13 @@ sum, gate, output projection. The features follow their papers:
 - ALiBi (Press et al.): `-m_h·|p - j|`, `m_h` the geometric sequence that
   starts at `2^(-8/N)` with that ratio, and for `N` not a power of two the
   sequence of the power of two below, then every other slope of twice it;
-- sinks (gpt-oss): one more logit per head in the softmax, dropped after.
+- sinks (gpt-oss): one more logit per head in the softmax, dropped after;
+- query/key norms (Qwen3, Gemma 3, OLMo 2; Llama 4 without weights): each
+  head's vector, or each token's whole projection, over its root mean
+  square, times a scale;
+- the query temperature (Llama 4): the query at `p` times
+  `1 + scale·log(1 + floor((p + 1) / floor_scale))`;
+- chunked attention (Llama 4): `j // C == p // C`.
 """
 
 import numpy as np
@@ -54,6 +60,18 @@ def alibi_slopes(num_heads):
     closest = 2 ** int(np.floor(np.log2(num_heads)))
     extra = alibi_slopes(2 * closest)[0::2][: num_heads - closest]
     return np.array(power_of_two(closest) + list(extra))
+
+
+def rms_norm(x, scope, epsilon, scale=None):
+    """`x` `(B, L, heads, H)` over the root mean square of each head's `H`
+    features (`scope="head"`) or of each token's `heads·H`
+    (`"projection"`), times `scale` (`(H,)` or `(heads·H,)`) if given."""
+    batch, length, heads, head = x.shape
+    flat = x if scope == "head" else x.reshape(batch, length, 1, heads * head)
+    out = flat / np.sqrt((flat**2).mean(-1, keepdims=True) + epsilon)
+    if scale is not None:
+        out = out * np.asarray(scale, "float64")
+    return out.reshape(x.shape)
 
 
 def rotate(x, positions, max_wavelength=10000.0, scaling_factor=1.0,
@@ -106,6 +124,9 @@ def reference_attention(
     segment_ids=None,
     key_segment_ids=None,
     rotary=None,
+    qk_norm=None,
+    query_temperature=None,
+    chunk_size=None,
 ):
     """Returns `(output, weights)` for rank-3 inputs, in float64.
 
@@ -113,7 +134,10 @@ def reference_attention(
     `(B, T, S)` / `(T, S)`, which are expanded here). Query `t` sits at
     position `query_offset + t`. `sliding_window` is `w` (`|p - j| < w`) or
     `(left, right)` (`p - left <= j <= p + right`); `rotary` is `None` or
-    the keyword arguments of `rotate`.
+    the keyword arguments of `rotate`; `qk_norm` `None` or `(scope,
+    epsilon, query_scale, key_scale)` (scales `None` without weights);
+    `query_temperature` `None` or `(floor_scale, scale)`; `chunk_size`
+    `None` or `C`.
     """
     f64 = lambda x: None if x is None else np.asarray(x, dtype="float64")
     query, value = f64(query), f64(value)
@@ -121,6 +145,10 @@ def reference_attention(
     q = _project(query, weights["query"], weights["query_bias"])
     k = _project(key, weights["key"], weights["key_bias"])
     v = _project(value, weights["value"], weights["value_bias"])
+    if qk_norm is not None:
+        scope, epsilon, query_scale, key_scale = qk_norm
+        q = rms_norm(q, scope, epsilon, query_scale)
+        k = rms_norm(k, scope, epsilon, key_scale)
     batch, t_len, num_heads, head = q.shape
     s_len, num_kv = k.shape[1], k.shape[2]
     k = np.repeat(k, num_heads // num_kv, axis=2)  # head n reads n // G
@@ -128,12 +156,19 @@ def reference_attention(
     if rotary is not None:
         q = rotate(q, query_offset + np.arange(t_len), **rotary)
         k = rotate(k, np.arange(s_len), **rotary)
+    if query_temperature is not None:
+        floor_scale, factor = query_temperature
+        p = query_offset + np.arange(t_len)
+        q = q * (1.0 + factor * np.log(1.0 + np.floor((p + 1) / floor_scale))
+                 )[None, :, None, None]
 
     allowed = np.ones((batch, num_heads, t_len, s_len), dtype=bool)
     pos = query_offset + np.arange(t_len)[:, None]
     col = np.arange(s_len)[None, :]
     if use_causal_mask:
         allowed &= col <= pos
+    if chunk_size is not None:
+        allowed &= col // chunk_size == pos // chunk_size
     if isinstance(sliding_window, (tuple, list)):
         left, right = sliding_window
         allowed &= (col >= pos - left) & (col <= pos + right)

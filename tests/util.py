@@ -21,6 +21,10 @@ OURS_ONLY = (
     "attn_logits_soft_cap",
     "use_sinks",
     "use_alibi",
+    "qk_norm",
+    "qk_norm_scope",
+    "qk_norm_epsilon",
+    "query_temperature",
 )
 
 
@@ -93,6 +97,15 @@ def reference(layer, query, value, key=None, **kwargs):
     kwargs.setdefault("alibi", layer.use_alibi)
     if layer.sinks is not None:
         kwargs.setdefault("sinks", to_numpy(layer.sinks).astype("float64"))
+    if layer.qk_norm is not None:
+        scales = [
+            None if norm is None else to_numpy(norm.scale).astype("float64")
+            for norm in (layer.query_norm, layer.key_norm)
+        ]
+        kwargs.setdefault(
+            "qk_norm", (layer.qk_norm_scope, layer.qk_norm_epsilon, *scales)
+        )
+    kwargs.setdefault("query_temperature", layer.query_temperature)
     if layer.rotary_embedding is not None:
         kwargs.setdefault(
             "rotary", rotary_reference_arguments(layer.rotary_embedding,

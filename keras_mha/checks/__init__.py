@@ -16,6 +16,8 @@ from keras_mha.checks.arguments import boolean
 from keras_mha.checks.arguments import sliding_window
 from keras_mha.checks.arguments import rotary_embedding
 from keras_mha.checks.arguments import dropout_rate
+from keras_mha.checks.arguments import choice
+from keras_mha.checks.arguments import head_features
 from keras_mha.checks.arguments import flash_attention
 from keras_mha.checks.arguments import output_shape
 from keras_mha.checks.arguments import attention_axes
@@ -44,9 +46,11 @@ __all__ = [
     "cache_parts",
     "cache_tensor",
     "call_arguments",
+    "choice",
     "dims_agree",
     "dropout_rate",
     "feature_arguments",
+    "head_features",
     "flash_attention",
     "input_shapes",
     "mask_argument",

@@ -89,6 +89,52 @@ def rotary_embedding(value):
     return value
 
 
+def choice(name, value, choices, allow_none=False):
+    """`value`, one of `choices` (strings), or `None` if allowed."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, str) or value not in choices:
+        expected = " or ".join(repr(c) for c in choices)
+        expected += " or `None`" if allow_none else ""
+        raise ValueError(
+            f"Argument `{name}` must be {expected}. Received: {name}={value!r}"
+        )
+    return value
+
+
+def query_temperature_pair(value):
+    """`None`, or `(floor_scale, scale)`: a positive number and a finite
+    one, as a tuple of Python floats (a JSON list from a config too)."""
+    if value is None:
+        return None
+    pair = tuple(value) if isinstance(value, (tuple, list)) else ()
+    if (
+        len(pair) != 2
+        or any(isinstance(x, bool) or not isinstance(x, numbers.Real)
+               for x in pair)
+        or not 0.0 < float(pair[0]) < float("inf")
+        or not abs(float(pair[1])) < float("inf")
+    ):
+        raise ValueError(
+            "Argument `query_temperature` must be `None` or a pair "
+            "`(floor_scale, scale)` of a positive number and a finite "
+            f"number. Received: query_temperature={value!r}"
+        )
+    return (float(pair[0]), float(pair[1]))
+
+
+def head_features(qk_norm, qk_norm_scope, qk_norm_epsilon,
+                  query_temperature):
+    """The layer's `qk_norm`, `qk_norm_scope`, `qk_norm_epsilon` and
+    `query_temperature`, checked."""
+    return (
+        choice("qk_norm", qk_norm, ("rms", "l2"), allow_none=True),
+        choice("qk_norm_scope", qk_norm_scope, ("head", "projection")),
+        positive_number("qk_norm_epsilon", qk_norm_epsilon),
+        query_temperature_pair(query_temperature),
+    )
+
+
 def dropout_rate(value):
     """A dropout rate in `[0, 1)` as a Python float."""
     if (

@@ -1,0 +1,143 @@
+"""Per-token transforms of the projected heads, between the projections and
+attention.
+
+Token by token, the layers turn their projected queries `(B, T, N, H)` and
+keys `(B, S, K, H)` into what attention reads, in DESIGN's order:
+
+1. padding zeroed (a weight of 0 times a NaN in a padded token is NaN);
+2. query/key normalization (`qk_norm`): RMS with a trainable scale
+   (`HeadNorm`: Qwen3, Gemma 3 per head; OLMo 2 over the projection), or
+   Llama 4's norm without weights;
+3. the rotary embedding, queries at `offset + t`, keys at their positions;
+4. the query temperature (Llama 4's `attn_temperature_tuning`): the query
+   at position `p` times `1 + scale·log(1 + floor((p + 1) / floor_scale))`.
+
+Each is a function of one token and its position, so every attention path,
+cached decoding included, sees the same transformed heads: nothing here is
+a field of the `AttentionSpec`.
+"""
+
+import keras
+from keras import ops
+
+_HALF_DTYPES = ("float16", "bfloat16")
+
+
+class HeadNorm(keras.layers.Layer):
+    """RMS normalization of projected heads `(B, L, heads, H)` with a
+    trainable `scale` (ones at first): `x / sqrt(mean(x²) + epsilon) ·
+    scale`, computed in float32 for half-precision inputs.
+
+    Args:
+        scope: `"head"`: each head's `H` features, one `(H,)` scale shared
+            by the heads; `"projection"`: all `heads·H` features of the
+            token together, scale `(heads·H,)`.
+        epsilon: added to the mean square.
+        **kwargs: base layer arguments (`name`, `dtype`).
+    """
+
+    def __init__(self, scope="head", epsilon=1e-6, **kwargs):
+        super().__init__(**kwargs)
+        self.scope = scope
+        self.epsilon = epsilon
+
+    def build(self, input_shape):
+        heads, head_dim = input_shape[-2], input_shape[-1]
+        size = head_dim if self.scope == "head" else heads * head_dim
+        self.scale = self.add_weight(
+            name="scale", shape=(size,), initializer="ones"
+        )
+
+    def call(self, x):
+        return normalize(x, self.scope, self.epsilon, self.scale)
+
+    def get_config(self):
+        return {**super().get_config(), "scope": self.scope,
+                "epsilon": self.epsilon}
+
+
+def normalize(x, scope, epsilon, scale=None):
+    """`x` `(B, L, heads, H)` divided by the root mean square of each head
+    (`scope="head"`) or of each token's whole projection
+    (`"projection"`), times `scale` `(H,)` or `(heads·H,)` if given; in
+    float32 for half-precision `x`, returned in `x`'s dtype."""
+    dtype = ops.dtype(x)
+    y = ops.cast(x, "float32") if dtype in _HALF_DTYPES else x
+    axes = -1 if scope == "head" else (-2, -1)
+    mean_square = ops.mean(ops.square(y), axis=axes, keepdims=True)
+    y = y * ops.rsqrt(mean_square + ops.cast(epsilon, y.dtype))
+    if scale is not None:
+        scale = ops.cast(scale, y.dtype)
+        if scope == "projection":
+            scale = ops.reshape(scale, tuple(x.shape[-2:]))  # (heads, H)
+        y = y * scale
+    return ops.cast(y, dtype)
+
+
+def temperature(x, offset, floor_scale, scale):
+    """`x` `(B, T, N, H)` at positions `offset + t`, each query times
+    `1 + scale·log(1 + floor((p + 1) / floor_scale))` (in float32 for
+    half-precision `x`, as Llama 4 computes it)."""
+    dtype = ops.dtype(x)
+    compute = "float32" if dtype in _HALF_DTYPES else dtype
+    positions = ops.cast(
+        ops.arange(ops.shape(x)[1], dtype="int32")
+        + ops.cast(offset, "int32"),
+        compute,
+    )  # (T,)
+    factor = 1.0 + scale * ops.log1p(ops.floor((positions + 1.0) / floor_scale))
+    return ops.cast(
+        ops.cast(x, compute) * ops.reshape(factor, (1, -1, 1, 1)), dtype
+    )
+
+
+def zero_padding(x, tokens):
+    """`x` `(B, L, heads, X)` with the positions where `tokens` `(B, L)` is
+    False set to 0; `x` itself when `tokens` is `None`."""
+    if tokens is None:
+        return x
+    keep = tokens[:, :, None, None]  # (B, L, 1, 1)
+    return ops.where(keep, x, ops.zeros_like(x))
+
+
+def build_norms(layer):
+    """The sublayers `query_norm` and `key_norm` of a layer with
+    `qk_norm="rms"` (after its other weights, so those line up with
+    Keras's); nothing for `"l2"` or `None`."""
+    if layer._qk_norm != "rms":
+        return
+    for name, heads in (("query", layer._num_heads),
+                        ("key", layer._num_key_value_heads)):
+        norm = HeadNorm(layer._qk_norm_scope, layer._qk_norm_epsilon,
+                        name=f"{name}_norm", dtype=layer.dtype_policy)
+        norm.build((None, None, heads, layer._key_dim))
+        setattr(layer, f"_{name}_norm", norm)
+
+
+def queries(layer, q, offset, tokens=None):
+    """The layer's projected queries `(B, T, N, H)` at positions `offset +
+    t`, ready for attention: padding zeroed, normalized, rotated, scaled
+    by the temperature."""
+    q = _norm(layer, "query", zero_padding(q, tokens))
+    if layer._rotary_embedding is not None:
+        q = layer._rotary_embedding(q, start_index=offset)
+    if layer._query_temperature is not None:
+        q = temperature(q, offset, *layer._query_temperature)
+    return q
+
+
+def keys(layer, k, offset, tokens=None):
+    """The layer's projected keys `(B, S, K, H)` at positions `offset + j`:
+    padding zeroed, normalized, rotated."""
+    k = _norm(layer, "key", zero_padding(k, tokens))
+    if layer._rotary_embedding is not None:
+        k = layer._rotary_embedding(k, start_index=offset)
+    return k
+
+
+def _norm(layer, name, x):
+    if layer._qk_norm is None:
+        return x
+    if layer._qk_norm == "rms":
+        return getattr(layer, f"_{name}_norm")(x)
+    return normalize(x, layer._qk_norm_scope, layer._qk_norm_epsilon)
