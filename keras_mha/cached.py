@@ -32,8 +32,8 @@ class CachedMultiHeadAttention(MultiHeadAttention):
     `set_weights(keras_hub_layer.get_weights())` works both ways. The
     constructor, weights and config are those of `MultiHeadAttention`, so
     grouped heads, `sliding_window`, `rotary_embedding`, `scale`,
-    `attn_logits_soft_cap`, `use_sinks`, `use_alibi` and `use_gate` work
-    with a cache too.
+    `attn_logits_soft_cap`, `use_sinks`, `use_alibi`, `use_gate`, the
+    query/key norms and the query temperature work with a cache too.
 
     A call runs in one of three modes:
 

@@ -37,7 +37,9 @@ class GroupedQueryAttention(MultiHeadAttention):
             regularizers, the constraints, `use_gate` and `seed`.
         **kwargs: base layer arguments, and the features of current
             models (`rotary_embedding`, `scale`, `attn_logits_soft_cap`,
-            `use_sinks`, `use_alibi`), as for `MultiHeadAttention`.
+            `use_sinks`, `use_alibi`, `qk_norm`, `qk_norm_scope`,
+            `qk_norm_epsilon`, `query_temperature`), as for
+            `MultiHeadAttention`.
     """
 
     def __init__(
