@@ -43,9 +43,11 @@ compiles.
 
 Unless `--no-features`, it times the feature cells: our whole layer at
 T=16384, w=128, causal, forward and forward+backward, with one feature of
-current models on (RoPE, soft-cap 50, sinks, ALiBi, 4 equal segments of
-`segment_ids`) against the same layer with none (`plain`), each as a
-ratio to plain (target: at most 1.3x).
+current models or of real checkpoints on (RoPE, soft-cap 50, sinks,
+ALiBi, 4 equal segments of `segment_ids`, `qk_norm="rms"`, chunks of 128
+in place of the window, gpt-oss's YaRN RoPE, Llama 4's query temperature)
+against the same layer with none (`plain`), each as a ratio to plain
+(target: at most 1.3x).
 
 Unless `--no-decode`, it measures decoding (the config's `decode`
 section), each cell eager and, on jax and tensorflow, compiled (`jax.jit`

@@ -28,7 +28,8 @@ def build_parser():
         "projection matmuls; small-model cells (B=8); one fit step of a "
         "small causal transformer with our layer and with Keras's; our "
         "layer with each feature (RoPE, soft-cap, "
-        "sinks, ALiBi, segment ids) against none; and decoding: ours and "
+        "sinks, ALiBi, segment ids, qk_norm, chunks, YaRN, the query "
+        "temperature) against none; and decoding: ours and "
         "keras-hub's CachedMultiHeadAttention per token, eager and "
         "compiled, against the floor of reading the cache, a tiny GPT-2 "
         "generate with either attention, and a prefill through the cache. "
@@ -68,7 +69,8 @@ def build_parser():
                         help="skip the decode cells")
     parser.add_argument("--features", action="store_true",
                         help="the feature cells only: our layer with RoPE, "
-                        "soft-cap, sinks, ALiBi or segment ids against "
+                        "soft-cap, sinks, ALiBi, segment ids, qk_norm, "
+                        "chunks, YaRN or the query temperature against "
                         "plain (the config's features section: T=16384, "
                         "w=128 by default); writes bench-features.json "
                         "and report-features.md")

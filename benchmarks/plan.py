@@ -12,8 +12,9 @@ sets the roofline and the "% matmul" of every cell at that B and T. A `fit`
 unit is one `train_on_batch` step of a small causal transformer (the `fit`
 section) with our layer or Keras's in its blocks. A *feature cell* is one
 (backend, feature) of the `features` section: our
-whole layer at one T and w with one feature of current models on (RoPE,
-soft-cap, sinks, ALiBi, segment ids), or none (`plain`, the baseline of
+whole layer at one T and w with one feature on (RoPE, soft-cap, sinks,
+ALiBi, segment ids, qk_norm, chunks of w, YaRN, the query temperature),
+or none (`plain`, the baseline of
 its ratios); it has a unit per mode too. The `decode` section has four
 kinds of units (`decode_units`): `decode`, one token at position p
 through a cache (ours or keras-hub's layer, a full or rolling cache,
@@ -65,10 +66,13 @@ FIT_IMPLS = ("ours", "keras")
 PAIRED_IMPLS = ("keras", "ours")
 # Feature cells: our layer with one feature on; `plain` is the layer
 # without any, the baseline of every ratio (see `worker.feature_arguments`).
-FEATURES = ("plain", "rope", "soft_cap", "sinks", "alibi", "segments")
+FEATURES = ("plain", "rope", "soft_cap", "sinks", "alibi", "segments",
+            "qk_norm", "chunked", "yarn", "temperature")
 FEATURE_LABELS = {"plain": "plain", "rope": "RoPE", "soft_cap": "soft-cap",
                   "sinks": "sinks", "alibi": "ALiBi",
-                  "segments": "segment ids"}
+                  "segments": "segment ids", "qk_norm": "qk_norm",
+                  "chunked": "chunked", "yarn": "YaRN",
+                  "temperature": "temperature"}
 # Decode cells: `keras_mha.MultiHeadAttention` with its cache, keras-hub's
 # `CachedMultiHeadAttention` with its own (`(B, 2, S, N, H)`, a causal
 # `attention_mask`), and the floor: reading the valid cache slots once.

@@ -79,9 +79,10 @@ def is_oom(error):
 
 def feature_arguments(feature, config):
     """`(layer arguments, segment count)` of a feature cell: what
-    `keras_mha.MultiHeadAttention` gets on top of `sliding_window`, and how
-    many equal segments the call's `segment_ids` split each row into (0:
-    no `segment_ids`)."""
+    `keras_mha.MultiHeadAttention` gets on top of `sliding_window` (the
+    chunked cell replaces the window by chunks of its size, Llama 4's
+    chunked layer), and how many equal segments the call's `segment_ids`
+    split each row into (0: no `segment_ids`)."""
     import keras_mha
 
     spec = config["features"]
@@ -95,6 +96,17 @@ def feature_arguments(feature, config):
         return {"use_alibi": True}, 0
     if feature == "segments":
         return {}, spec["segments"]
+    if feature == "qk_norm":
+        return {"qk_norm": "rms"}, 0
+    if feature == "chunked":
+        return {"sliding_window": None,
+                "attention_chunk_size": spec["window"]}, 0
+    if feature == "yarn":  # gpt-oss's published YaRN
+        return {"rotary_embedding": keras_mha.RotaryEmbedding(
+            150000, scaling_factor=32.0, rope_type="yarn",
+            original_max_position_embeddings=4096, truncate=False)}, 0
+    if feature == "temperature":  # Llama 4's
+        return {"query_temperature": (8192.0, 0.1)}, 0
     if feature == "plain":
         return {}, 0
     raise ValueError(f"unknown feature {feature!r}")
@@ -421,7 +433,8 @@ class Worker:
             arguments, segments = self._layer_arguments(unit)
             setup = {
                 "layer": self._layer(self._layer_class(impl), t_len, batch,
-                                     sliding_window=unit["w"], **arguments),
+                                     **{"sliding_window": unit["w"],
+                                        **arguments}),
                 "x": self.backend.tensor(
                     self._random((batch, t_len, heads * head))),
                 "segment_ids": self.backend.tensor(
@@ -447,7 +460,7 @@ class Worker:
         arguments, segments = self._layer_arguments(unit)
         layer = keras_mha.MultiHeadAttention(
             num_heads=config["num_heads"], key_dim=config["key_dim"],
-            sliding_window=unit["w"], **arguments,
+            **{"sliding_window": unit["w"], **arguments},
         )
         shape = (unit["B"], unit["T"],
                  config["num_heads"] * config["key_dim"])  # (B, T, E)

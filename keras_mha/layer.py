@@ -89,6 +89,10 @@ class MultiHeadAttention(keras.layers.Layer):
         use_alibi: adds ALiBi's `-m_h·|p - j|` to the logits, slopes
             `m_h = 2^(-8(h+1)/N)` (BLOOM's rule when `N` is not a power of
             two).
+        attention_chunk_size: `None` or `C`: key `j` is visible from
+            position `p` only if `j // C == p // C` (Llama 4's chunked
+            layers), with every other mask; a cache is then a rolling one
+            of `C` slots (or the window's, if fewer). One attention axis.
         qk_norm: `None`, `"rms"` or `"l2"`: queries and keys (after the
             projections' biases, before RoPE) become `x / sqrt(mean(x²) +
             qk_norm_epsilon)`, with `"rms"` times the `scale` of the
@@ -171,6 +175,7 @@ class MultiHeadAttention(keras.layers.Layer):
         attn_logits_soft_cap=None,
         use_sinks=False,
         use_alibi=False,
+        attention_chunk_size=None,
         qk_norm=None,
         qk_norm_scope="head",
         qk_norm_epsilon=1e-6,
@@ -191,6 +196,9 @@ class MultiHeadAttention(keras.layers.Layer):
             )
         dropout = checks.dropout_rate(dropout)
         sliding_window = checks.sliding_window(sliding_window)
+        attention_chunk_size = checks.positive_int(
+            "attention_chunk_size", attention_chunk_size, allow_none=True
+        )
         scale = checks.positive_number("scale", scale, allow_none=True)
         attn_logits_soft_cap = checks.positive_number(
             "attn_logits_soft_cap", attn_logits_soft_cap, allow_none=True
@@ -213,17 +221,12 @@ class MultiHeadAttention(keras.layers.Layer):
         self._use_gate = bool(use_gate)
         self._output_shape = checks.output_shape(output_shape)
         self._attention_axes = checks.attention_axes(attention_axes)
-        if (
-            sliding_window is not None
-            and self._attention_axes is not None
-            and len(self._attention_axes) > 1
-        ):
-            raise ValueError(
-                "`sliding_window` needs a single attention axis. Received: "
-                f"sliding_window={sliding_window}, "
-                f"attention_axes={attention_axes}"
-            )
+        checks.single_attention_axis(
+            self._attention_axes, attention_axes, sliding_window=sliding_window,
+            attention_chunk_size=attention_chunk_size,
+        )
         self._sliding_window = sliding_window
+        self._attention_chunk_size = attention_chunk_size
         self._flash_attention = flash_attention
         self._kernel_initializer = keras.initializers.get(kernel_initializer)
         self._bias_initializer = keras.initializers.get(bias_initializer)
@@ -255,6 +258,7 @@ class MultiHeadAttention(keras.layers.Layer):
     use_bias = _read_only("_use_bias")
     attention_axes = _read_only("_attention_axes")
     sliding_window = _read_only("_sliding_window")
+    attention_chunk_size = _read_only("_attention_chunk_size")
     flash_attention = _read_only("_flash_attention")
     rotary_embedding = _read_only("_rotary_embedding")
     scale = _read_only("_scale", "The logit scale; `1 / sqrt(key_dim)` if unset.")
@@ -282,7 +286,7 @@ class MultiHeadAttention(keras.layers.Layer):
         names = (
             "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
             "use_gate", "output_shape", "attention_axes", "sliding_window",
-            "flash_attention", "num_key_value_heads",
+            "flash_attention", "num_key_value_heads", "attention_chunk_size",
         )
         config = {name: getattr(self, f"_{name}") for name in names}
         for kind, module in (
@@ -505,13 +509,17 @@ class MultiHeadAttention(keras.layers.Layer):
 
     @property
     def rolling_cache(self):
-        """Whether `init_cache` makes a rolling buffer of `left + 1` slots."""
-        return self._sliding_window is not None
+        """Whether `init_cache` makes a rolling buffer (a window, chunks)."""
+        return (self._sliding_window or self._attention_chunk_size) is not None
 
     @property
     def _rolling_slots(self):
-        """A rolling cache's slots: the keys a causal query sees, `left + 1`."""
-        return spec_lib.window_sides(self._sliding_window, True)[0] + 1
+        """A rolling cache's slots: the most keys a causal query sees, the
+        window's `left + 1` or the chunk's `C`, the fewer."""
+        return spec_lib.AttentionSpec(
+            1.0, causal=True, chunk=self._attention_chunk_size,
+            window=spec_lib.window_sides(self._sliding_window, True),
+        ).reach[0] + 1
 
     def init_cache(self, batch_size, max_length):
         """A zero key/value cache for decoding up to `max_length` tokens.
@@ -519,17 +527,17 @@ class MultiHeadAttention(keras.layers.Layer):
         Args:
             batch_size: `B`.
             max_length: the longest sequence to decode. With a
-                `sliding_window` the cache is a rolling buffer of `w` slots
-                whatever `max_length` is.
+                `sliding_window` or chunks the cache is a rolling buffer of
+                `w` (or `C`) slots whatever `max_length` is.
 
         Returns:
             A tuple `(keys, values, valid)` (see
             `keras_mha.attention.cache`): `keys` `(B, L, K, H)` and
             `values` `(B, L, K, V)` in the layer's compute dtype, and
             `valid` `(B, L)` boolean, true in the slots where a real
-            (unpadded) token was written. `L` is `max_length`, or
-            `left + 1` (`w`) when rolling. A call returns a cache of the
-            same structure.
+            (unpadded) token was written. `L` is `max_length`, or when
+            rolling `left + 1` (`w`) or `C`, the fewer. A call returns a
+            cache of the same structure.
 
         A call with `cache=` writes its tokens in place where the backend
         allows: on torch and in eager TensorFlow (outside a gradient tape)
@@ -560,21 +568,10 @@ class MultiHeadAttention(keras.layers.Layer):
         return query_shape
 
     def compute_output_spec(
-        self,
-        query,
-        value,
-        key=None,
-        query_mask=None,
-        value_mask=None,
-        key_mask=None,
-        attention_mask=None,
-        return_attention_scores=False,
-        training=None,
-        use_causal_mask=False,
-        cache=None,
-        cache_update_index=None,
-        attention_bias=None,
-        segment_ids=None,
+        self, query, value, key=None, query_mask=None, value_mask=None,
+        key_mask=None, attention_mask=None, return_attention_scores=False,
+        training=None, use_causal_mask=False, cache=None,
+        cache_update_index=None, attention_bias=None, segment_ids=None,
         key_segment_ids=None,
     ):
         checks.call_arguments(

@@ -446,10 +446,54 @@ def test_bench_times_alternately():
 def test_bench_child_forwards_every_flag():
     flags = ["--batch", "2", "--lengths", "1k,4k", "--heads", "4",
              "--key-dim", "16", "--window", "none,128", "--repeats", "3",
-             "--plot", "a.png", "--causal", "--backward"]
+             "--plot", "a.png", "--causal", "--backward", "--features"]
     args = cli.build_parser().parse_args(["bench", "--backend", "jax",
                                           *flags])
     assert bench.child_args(args) == flags
+
+
+def test_bench_features_layers():
+    """`--features`: our layer with each feature on, the plain layer's
+    projection weights in each, each computing something else."""
+    from keras_mha.cli import bench_features
+
+    layers, x = bench_features.feature_layers(
+        {"batch": 1, "heads": 2, "key_dim": 4}, 12, 4)
+    layers = dict(layers)
+    assert list(layers) == list(bench_features.FEATURES)
+    assert layers["qk_norm"].qk_norm == "rms"
+    assert (layers["chunked"].attention_chunk_size,
+            layers["chunked"].sliding_window) == (4, None)
+    assert layers["yarn"].rotary_embedding.get_config()["rope_type"] == "yarn"
+    assert layers["temperature"].query_temperature == (8192.0, 0.1)
+    plain = layers.pop("plain")
+    expected = keras.ops.convert_to_numpy(plain(x, x, use_causal_mask=True))
+    for feature, layer in layers.items():
+        for got, want in zip(layer.get_weights(), plain.get_weights()):
+            np.testing.assert_array_equal(got, want)
+        out = keras.ops.convert_to_numpy(layer(x, x, use_causal_mask=True))
+        # Llama 4's temperature is 1 below position 8191.
+        assert np.allclose(out, expected) == (feature == "temperature")
+
+
+def test_bench_features_table():
+    from rich.console import Console
+
+    from keras_mha.cli import bench_features
+
+    rows = [{"T": 16, "w": 8, "feature": feature, "path": "banded",
+             "seconds": [0.002 * (1 + i / 10)] * 3}
+            for i, feature in enumerate(bench_features.FEATURES)]
+    rows[-1] = {**rows[-1], "failed": "MemoryError"}
+    del rows[-1]["seconds"]
+    console = Console(width=120, record=True)
+    console.print(bench_features.table(
+        rows, {"batch": 1, "heads": 2, "key_dim": 4}, "forward", 3))
+    text = console.export_text()
+    assert "forward, B=1, N=2, H=4, causal" in text
+    assert re.search(r"qk_norm +│ +2\.20 │ +1\.10x │ banded", text), text
+    assert re.search(r"yarn +│ +2\.60 │ +1\.30x", text), text
+    assert "MemoryError" in text
 
 
 def test_bench_sizes():

@@ -25,6 +25,7 @@ OURS_ONLY = (
     "qk_norm_scope",
     "qk_norm_epsilon",
     "query_temperature",
+    "attention_chunk_size",
 )
 
 
@@ -106,6 +107,7 @@ def reference(layer, query, value, key=None, **kwargs):
             "qk_norm", (layer.qk_norm_scope, layer.qk_norm_epsilon, *scales)
         )
     kwargs.setdefault("query_temperature", layer.query_temperature)
+    kwargs.setdefault("chunk_size", layer.attention_chunk_size)
     if layer.rotary_embedding is not None:
         kwargs.setdefault(
             "rotary", rotary_reference_arguments(layer.rotary_embedding,

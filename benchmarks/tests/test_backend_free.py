@@ -551,11 +551,17 @@ def test_feature_arguments_turn_one_feature_on():
     config = plan.load_config(None)
     for feature in plan.FEATURES:
         arguments, segments = worker.feature_arguments(feature, config)
-        layer = keras_mha.MultiHeadAttention(2, 4, **arguments)
-        on = {"rope": layer.rotary_embedding is not None,
+        layer = keras_mha.MultiHeadAttention(
+            2, 4, **{"sliding_window": 128, **arguments})
+        rope = layer.rotary_embedding and layer.rotary_embedding.get_config()
+        on = {"rope": bool(rope) and rope["rope_type"] != "yarn",
               "soft_cap": layer.attn_logits_soft_cap == 50.0,
               "sinks": layer.use_sinks, "alibi": layer.use_alibi,
-              "segments": segments == 4}
+              "segments": segments == 4, "qk_norm": layer.qk_norm == "rms",
+              "chunked": layer.attention_chunk_size == 128
+              and layer.sliding_window is None,
+              "yarn": bool(rope) and rope["rope_type"] == "yarn",
+              "temperature": layer.query_temperature is not None}
         assert [name for name, value in on.items() if value] == (
             [] if feature == "plain" else [feature])
     # 4 equal runs per row; 10 tokens do not split evenly.

@@ -209,8 +209,8 @@ def _feature_path(config, feature):
     arguments, segments = worker.feature_arguments(feature, config)
     spec = config["features"]
     layer = keras_mha.MultiHeadAttention(
-        config["num_heads"], config["key_dim"], sliding_window=spec["window"],
-        **arguments)
+        config["num_heads"], config["key_dim"],
+        **{"sliding_window": spec["window"], **arguments})
     shape = (config["batch"], spec["length"],
              config["num_heads"] * config["key_dim"])
     return layer.attention_path(shape, shape, use_causal_mask=spec["causal"],

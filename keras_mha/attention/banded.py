@@ -1,5 +1,11 @@
 """The banded path: sliding-window attention block by block, O(T·w).
 
+Chunked attention (chunks of `C`) is banded too: every key a query sees
+lies within `C - 1` of it, so its band is the window `(C - 1, C - 1)`
+(`(C - 1, 0)` with causal) and the chunk's block diagonal is a mask inside
+it, O(T·C). With a window too, the band is the narrower of the two
+(`AttentionSpec.reach`).
+
 Queries are cut into blocks of `b` consecutive positions. The keys a block
 may see lie in one contiguous span: `[start - left, end + right]` for a
 window `(left, right)` (`right = 0` when causal). With keys cut into blocks
@@ -80,7 +86,7 @@ def banded_attention(
         key: `(B, S, K, H)`, `N % K == 0`; query head `n` reads key head
             `n // (N // K)` (the keys are not repeated per group).
         value: `(B, S, K, V)`.
-        spec: an `AttentionSpec` with a window, a Python int
+        spec: an `AttentionSpec` with a window or chunks, a Python int
             `query_offset`, keys at their own positions (no
             `key_positions`), no dense mask and no weights returned (see
             `dispatch.can_serve`).
@@ -143,6 +149,8 @@ def banded_attention(
         spec.has_token_masks
         or s_len == 0
         or band.query_offset + band.padded_len > s_len + band.window[0]
+        or (band.attention_chunk is not None
+            and band.query_offset + band.padded_len > s_len)
     ):
         mask, has_key = masks_lib.open_empty_rows(mask)  # (B|1, n, b, 1)
     query = _pad_axis1(query, 0, band.padded_len - t_len)  # (B, n·b, N, H)
@@ -176,8 +184,9 @@ class _Band(
         [
             "t_len",  # T
             "s_len",  # S
-            "window",  # (left, right)
+            "window",  # (left, right): the reach of the window and the chunk
             "causal",
+            "attention_chunk",  # None or C, the spec's chunk
             "query_offset",
             "block",  # b
             "num_chunks",  # c
@@ -230,7 +239,7 @@ def _band(t_len, s_len, spec, block_size, score_bytes):
     offset = spec.static_offset
     # Every |p - j| is below T + S + offset: a wider window changes no mask
     # entry, only the size of the spans.
-    left, right = (min(side, t_len + s_len + offset) for side in spec.window)
+    left, right = (min(side, t_len + s_len + offset) for side in spec.reach)
     if spec.causal:
         right = 0
     if block_size is None:
@@ -253,6 +262,7 @@ def _band(t_len, s_len, spec, block_size, score_bytes):
         s_len=s_len,
         window=(left, right),
         causal=spec.causal,
+        attention_chunk=spec.chunk,
         query_offset=offset,
         block=block,
         num_chunks=num_chunks,
@@ -475,7 +485,7 @@ def _chunk_spans(x, band):
 
 def _band_mask(band, spec):
     """`(B|1, n, b, span)`: which key of its span each query may attend to
-    (positions, padding and segments)."""
+    (positions, chunks, padding and segments)."""
     query_mask, key_mask = spec.query_mask, spec.key_mask
     n, b = band.num_blocks, band.block
     # Query row r of block i sits at offset + i·b + r and key s of its span
@@ -497,7 +507,15 @@ def _band_mask(band, spec):
         ops.greater_equal(key_positions, 0),
         ops.less(key_positions, band.s_len),
     )  # (n, 1, span)
-    mask = ops.logical_and(mask, in_range)[None]  # (1, n, b, span)
+    mask = ops.logical_and(mask, in_range)  # (n, b, span)
+    if band.attention_chunk is not None:
+        # Chunks are not translation invariant: absolute positions.
+        rows = ops.arange(band.padded_len, dtype="int32") + band.query_offset
+        mask = ops.logical_and(mask, masks_lib.position_mask(
+            ops.reshape(rows, (n, b, 1)), key_positions, False, None,
+            band.attention_chunk,
+        ))
+    mask = mask[None]  # (1, n, b, span)
     if query_mask is not None:
         query_mask = ops.cast(query_mask, "bool")
         query_mask = _pad_axis1(query_mask, 0, band.padded_len - band.t_len)

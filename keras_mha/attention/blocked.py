@@ -5,7 +5,11 @@ FlashAttention-2's recurrence in `keras.ops`. Queries and keys are cut into
 with an online softmax (a running row maximum `m`, denominator `l` and
 weighted sum), so of the `(T, T)` scores only one `(b, b)` block per head
 exists at a time, and the blocks above the diagonal are never computed.
-Only the diagonal block needs the causal mask.
+Only the diagonal block needs the causal mask. With chunks of `C`
+(`spec.chunk`), query block `i` starts at the key block of its chunk's
+first position instead of 0, and key block `j` is read back by the query
+blocks up to its chunk's end: O(T·C) blocks in all, the chunks' boundaries
+masked inside the blocks they cut.
 
     query blocks   (n, B, K, b·G, H)    grouped heads ride along as rows
     key blocks     (n, B, K, b, H)
@@ -35,6 +39,7 @@ from keras import ops
 
 import keras_mha.attention.explicit as explicit
 import keras_mha.attention.logits as logits
+import keras_mha.attention.masks as masks_lib
 import keras_mha.attention.tuning as tuning
 
 
@@ -57,6 +62,7 @@ _Geometry = collections.namedtuple(
         "query_mask",  # whether each has a per-token tensor
         "key_mask",
         "segments",
+        "chunk",  # None or C
     ],
 )
 
@@ -74,8 +80,8 @@ def blocked_attention(query, key, value, spec, block_size=None):
         value: `(B, T, K, V)`.
         spec: a causal `AttentionSpec` without a window, dense mask or
             bias, dropout or cache (see `dispatch.can_serve`); its scale,
-            soft-cap, ALiBi, sinks, padding masks and segment ids apply
-            block by block.
+            soft-cap, ALiBi, sinks, chunks, padding masks and segment ids
+            apply block by block.
         block_size: `b`; `default_block_size(T)` if `None`.
 
     Returns:
@@ -102,6 +108,7 @@ def blocked_attention(query, key, value, spec, block_size=None):
         query_mask=spec.query_mask is not None,
         key_mask=spec.key_mask is not None,
         segments=spec.segment_ids is not None,
+        chunk=spec.chunk,
     )
     q = ops.multiply(query, ops.cast(spec.scale, query.dtype))
     q = ops.reshape(
@@ -229,6 +236,13 @@ def _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal):
     mask = None
     if diagonal:
         mask = ops.greater_equal(offsets, 0)[None, None]
+    if geometry.chunk is not None:
+        query_at = ops.arange(b * groups, dtype="int32") // groups + i * b
+        key_at = ops.arange(b, dtype="int32") + j * b
+        same = masks_lib.position_mask(query_at[:, None], key_at[None, :],
+                                       False, None, geometry.chunk)  # (b·G, b)
+        mask = same[None, None] if mask is None else ops.logical_and(
+            mask, same[None, None])
     query_mask, query_ids, key_mask, key_ids = _unpack(geometry, rows, keys)
     for extra in (
         None if query_mask is None else query_mask[:, None, :, None],
@@ -242,6 +256,25 @@ def _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal):
     if mask is not None:
         s = ops.where(mask, s, ops.cast(logits.MASKED_LOGIT, s.dtype))
     return s, tanh
+
+
+def _first_key_block(geometry, i):
+    """The first key block query block `i` may see: 0, or with chunks the
+    block of the first position of its first query's chunk."""
+    if geometry.chunk is None:
+        return 0
+    chunk, block = geometry.chunk, geometry.block
+    return ops.floor_divide(ops.floor_divide(i * block, chunk) * chunk, block)
+
+
+def _end_query_block(geometry, j):
+    """One past the last query block that may see key block `j`: `n`, or
+    with chunks the block after its last key's chunk."""
+    if geometry.chunk is None:
+        return geometry.num_blocks
+    chunk, block = geometry.chunk, geometry.block
+    last = (ops.floor_divide(j * block + block - 1, chunk) + 1) * chunk - 1
+    return ops.minimum(ops.floor_divide(last, block) + 1, geometry.num_blocks)
 
 
 def _loop_blocks(body, constants, xs):
@@ -352,7 +385,7 @@ def _forward_body(geometry):
         )
         state = update(state, k_i, v_i, i, keys_i, True)
         m, l, acc = ops.fori_loop(
-            0, i,
+            _first_key_block(geometry, i), i,
             lambda j, state: update(state, _at(k, j), _at(v, j), j,
                                     _pick(keys_all, j), False),
             state,
@@ -390,7 +423,7 @@ def _query_grad_body(geometry):
 
         d_q = update(ops.zeros_like(q_i), k_i, v_i, i, keys_i, True)
         d_q = ops.fori_loop(
-            0, i,
+            _first_key_block(geometry, i), i,
             lambda j, d_q: update(d_q, _at(k, j), _at(v, j), j,
                                   _pick(keys_all, j), False),
             d_q,
@@ -401,8 +434,8 @@ def _query_grad_body(geometry):
 
 
 def _key_grad_body(geometry):
-    """`(dk, dv)` of key block `j`, over query blocks `j .. n - 1`."""
-    blocks = geometry.num_blocks
+    """`(dk, dv)` of key block `j`, over query blocks `j .. n - 1` (up to
+    its chunk's end with chunks)."""
 
     def body(constants, x):
         q, d_out, lse, delta, rows_all = constants
@@ -421,7 +454,8 @@ def _key_grad_body(geometry):
 
         grads = update((ops.zeros_like(k_j), ops.zeros_like(v_j)), j, True)
         grads = ops.fori_loop(
-            j + 1, blocks, lambda i, grads: update(grads, i, False), grads
+            j + 1, _end_query_block(geometry, j),
+            lambda i, grads: update(grads, i, False), grads,
         )
         return constants, grads
 

@@ -187,7 +187,8 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         q = _packed_query(q)
     constants = (q, cache, limit, query_positions, query_mask) + extra
     cond, body = _loop(
-        block, num_slots, rolling, spec.causal, spec.window, spec.soft_cap,
+        block, num_slots, rolling, spec.causal, spec.window, spec.chunk,
+        spec.soft_cap,
         slopes is not None, dense is not None, pair,
         (num_kv, groups) if packed else None,
     )
@@ -196,7 +197,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         # loop's copies of each block (`decode_whole_from`).
         whole = _loop(
             num_slots, num_slots, rolling, spec.causal, spec.window,
-            spec.soft_cap, slopes is not None, dense is not None, pair,
+            spec.chunk, spec.soft_cap, slopes is not None, dense is not None, pair,
             (num_kv, groups), chunks,
         )[1]
         state = ops.cond(
@@ -305,7 +306,7 @@ def _native_step(q, cache, size, limit, query_positions, query_mask, spec,
         ops.arange(size, dtype="int32"),
     )
     mask = _slot_mask(query_positions, positions, written, query_mask,
-                      spec.causal, spec.window)  # (B, 1, 1, T, S)
+                      spec.causal, spec.window, spec.chunk)  # (B, 1, 1, T, S)
     if dense is not None:
         mask = ops.logical_and(mask, dense[..., :size])
     alibi = None
@@ -343,12 +344,12 @@ def _run(tensor, start, size):
 
 
 def _slot_mask(query_positions, positions, written, query_mask, causal,
-               window):
+               window, chunk=None):
     """`(B, 1, 1, T|1, b)`: which of a block's slots, at `positions` `(b,)`
     (negative: no token) and `written` `(B|1, b)`, each query sees."""
     written = ops.logical_and(written, positions[None, :] >= 0)
     visible = masks_lib.position_mask(
-        query_positions[:, None], positions[None, :], causal, window
+        query_positions[:, None], positions[None, :], causal, window, chunk
     )  # (T, b) or None
     mask = written[:, None, :]
     if visible is not None:
@@ -358,8 +359,8 @@ def _slot_mask(query_positions, positions, written, query_mask, causal,
 
 
 @functools.lru_cache(maxsize=64)
-def _loop(block, num_slots, rolling, causal, window, soft_cap, use_alibi,
-          use_dense, pair, packed, chunks=None):
+def _loop(block, num_slots, rolling, causal, window, chunk, soft_cap,
+          use_alibi, use_dense, pair, packed, chunks=None):
     """`(cond, body)` of the loop over key blocks, one pair per geometry and
     choice of features: `jax.lax.while_loop` caches its trace on them.
     `packed`: `(K, G)` when the query is `_packed_query`'s. `chunks`: the
@@ -416,7 +417,7 @@ def _loop(block, num_slots, rolling, causal, window, soft_cap, use_alibi,
         fresh = slot >= i * block  # (b,): not read by the block before
         written = ops.logical_and(written, fresh[None, :])
         mask = _slot_mask(query_positions, positions, written, query_mask,
-                          causal, window)  # (B, 1, 1, T, b)
+                          causal, window, chunk)  # (B, 1, 1, T, b)
         if use_dense:
             dense = constants[-1]  # (B|1, K|1, G|1, T|1, L)
             shape = tuple(dense.shape[:4]) + (block,)

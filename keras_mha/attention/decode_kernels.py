@@ -42,23 +42,24 @@ compiled; a rolling cache of 512 slots 7.6 -> 2.3 ms.
         limit = ops.cast(limit, "int32")
     sinks = None if spec.sinks is None else ops.convert_to_tensor(spec.sinks)
     function = _graph_decode_function(
-        step, spec.scale, spec.causal, spec.window, spec.soft_cap,
-        spec.alibi, rolling, block_size, layout,
+        step, spec.scale, spec.causal, spec.window, spec.chunk,
+        spec.soft_cap, spec.alibi, rolling, block_size, layout,
     )
     return function(query, cache, offset, limit, spec.query_mask,
                     spec.attention_mask, sinks)
 
 
 @functools.lru_cache(maxsize=64)
-def _graph_decode_function(step, scale, causal, window, soft_cap, alibi,
-                           rolling, block_size, layout):
+def _graph_decode_function(step, scale, causal, window, chunk, soft_cap,
+                           alibi, rolling, block_size, layout):
     import keras
 
     from keras_mha.attention.spec import AttentionSpec
 
     def run(query, cache, offset, limit, query_mask, attention_mask, sinks):
         spec = AttentionSpec(
-            scale=scale, causal=causal, window=window, soft_cap=soft_cap,
+            scale=scale, causal=causal, window=window, chunk=chunk,
+            soft_cap=soft_cap,
             alibi=alibi, query_offset=offset, query_mask=query_mask,
             attention_mask=attention_mask, sinks=sinks,
         )

@@ -13,7 +13,7 @@ row that matches decides.
 
 | The call | Path |
 |---|---|
-| a window; keys at their own positions (no cache, a Python-int offset); no dense mask or bias; no weights returned; `S >= banded_min_ratio·w` (4) and `S >= banded_min_length` (256), `w = max(left, right) + 1` | `banded` |
+| a window or chunks; keys at their own positions (no cache, a Python-int offset); no dense mask or bias; no weights returned; `S >= banded_min_ratio·w` (4) and `S >= banded_min_length` (256), `w = max(left, right) + 1` of the spec's `reach` (the window, and chunks of `C` as a window `(C - 1, C - 1)`, right 0 when causal) | `banded` |
 | weights returned, or dropout | `explicit` |
 | causal self-attention at `T = S >= blocked_min_length` (JAX 512, TensorFlow 2048, torch 1024); no window, dense mask, bias, cache, or `flash_attention=True`; on torch only what its kernel cannot take (a soft-cap) | `blocked` |
 | the same with a dense bias, `T >= triangular_min_length` (JAX 1024, never elsewhere) | `triangular` |
@@ -22,7 +22,7 @@ row that matches decides.
 GPU and TPU (nothing measured, `follow_keras`): a call that
 `keras.layers.MultiHeadAttention` would send to its fused kernel
 (`keras_would_fuse`: no weights returned, no dropout, soft-cap, sinks,
-ALiBi, segment ids or bias; head sizes the kernel takes) goes to that
+ALiBi, segment ids, chunks or bias; head sizes the kernel takes) goes to that
 kernel. Never `blocked` or `triangular` for it, and `banded` only where
 its dense scores would not fit:
 
@@ -148,7 +148,7 @@ def can_serve(path, spec, shapes, backend=None):
         )
     if path == BANDED:
         return (
-            spec.window is not None
+            spec.reach is not None
             and static
             and spec.key_positions is None
             and spec.static_offset is not None
@@ -164,6 +164,7 @@ def can_serve(path, spec, shapes, backend=None):
         return (
             (backend or keras.backend.backend()) == "jax"
             and spec.window is not None
+            and spec.chunk is None
             and static
             and spec.keys_at_own_positions
             and not spec.has_token_masks
@@ -182,13 +183,14 @@ def keras_would_fuse(spec, shapes, backend=None):
     """Whether `keras.layers.MultiHeadAttention` would send this call to
     its fused kernel: no weights returned, no dropout, none of the
     features its layer lacks (soft-cap, sinks, ALiBi, segment ids, a
-    bias), head sizes the kernel takes."""
+    bias, chunks), head sizes the kernel takes."""
     return (
         can_serve(FUSED, spec, shapes, backend)
         and spec.bias is None
         and spec.sinks is None
         and spec.alibi is None
         and spec.segment_ids is None
+        and spec.chunk is None
     )
 
 
@@ -231,7 +233,7 @@ def choose_path(spec, shapes, backend=None, platform=None):
     if setting("follow_keras") and keras_would_fuse(spec, shapes, backend):
         return _as_keras(spec, shapes, backend, setting)
     if can_serve(BANDED, spec, shapes, backend) and banded_pays_off(
-        spec.window, shapes.query_length, shapes.key_length, backend, platform
+        spec.reach, shapes.query_length, shapes.key_length, backend, platform
     ):
         return BANDED
     if spec.return_weights or spec.dropout:

@@ -12,12 +12,13 @@ position its cache slot holds.
 from keras import ops
 
 
-def position_mask(query_positions, key_positions, causal, window):
+def position_mask(query_positions, key_positions, causal, window,
+                  chunk=None):
     """Which keys each query may see, from absolute positions alone.
 
-    The one rule for the causal mask and the sliding window; every attention
-    path (explicit, fused, banded, triangular, cached) builds its masks with
-    it.
+    The one rule for the causal mask, the sliding window and the chunks;
+    every attention path (explicit, fused, banded, blocked, triangular,
+    cached) builds its masks with it.
 
     Args:
         query_positions: integer tensor broadcastable against
@@ -25,6 +26,8 @@ def position_mask(query_positions, key_positions, causal, window):
         key_positions: integer tensor, e.g. `(1, S)`.
         causal: whether key `j` must satisfy `j <= p`.
         window: `None`, or `(left, right)`: `p - left <= j <= p + right`.
+        chunk: `None`, or `C`: `j // C == p // C` (a negative `j`, a slot
+            without a token, is in no query's chunk).
 
     Returns:
         Boolean tensor of the broadcast shape, or `None` when nothing is
@@ -40,6 +43,12 @@ def position_mask(query_positions, key_positions, causal, window):
             ops.less_equal(distance, left), ops.greater_equal(distance, -right)
         )
         mask = combine_masks(mask, in_window)
+    if chunk is not None:
+        same_chunk = ops.equal(
+            ops.floor_divide(query_positions, chunk),
+            ops.floor_divide(key_positions, chunk),
+        )
+        mask = combine_masks(mask, same_chunk)
     return mask
 
 
@@ -84,7 +93,12 @@ def spec_mask(spec, query_length, key_length, query_start=None):
     """
     start = 0 if query_start is None else query_start
     positional = None
-    if spec.causal or spec.window is not None or spec.key_positions is not None:
+    if (
+        spec.causal
+        or spec.window is not None
+        or spec.chunk is not None
+        or spec.key_positions is not None
+    ):
         positional = _positional(spec, query_length, key_length, start)
     query_mask, key_mask, dense = (
         spec.query_mask, spec.key_mask, spec.attention_mask
@@ -133,7 +147,8 @@ def positions(spec, query_length, key_length, start=0):
 
 
 def _positional(spec, query_length, key_length, start):
-    """The spec's causal, window and written-slot mask `(1, 1, T, S)`."""
+    """The spec's causal, window, chunk and written-slot mask `(1, 1, T,
+    S)`."""
     query_positions, key_positions = positions(
         spec, query_length, key_length, start
     )
@@ -142,6 +157,7 @@ def _positional(spec, query_length, key_length, start):
         ops.reshape(key_positions, (1, 1, 1, -1)),  # (1, 1, 1, S)
         spec.causal,
         spec.window,
+        spec.chunk,
     )
     if spec.key_positions is not None:
         # A negative position marks a slot that holds no token.

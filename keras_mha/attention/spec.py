@@ -28,6 +28,8 @@ class AttentionSpec:
         causal: key `j` is visible from position `p` only if `j <= p`.
         window: `None`, or `(left, right)`: key `j` is visible from
             position `p` iff `p - left <= j <= p + right`.
+        chunk: `None`, or `C`: key `j` is visible from position `p` iff
+            `j // C == p // C` (chunked attention, Llama 4).
         query_offset: the position of query 0: a Python int, or a scalar
             integer tensor (a cache's index).
         key_positions: `None` (key `j` at position `j`), or an integer
@@ -64,6 +66,7 @@ class AttentionSpec:
     scale: float
     causal: bool = False
     window: Any = None
+    chunk: Any = None
     query_offset: Any = 0
     key_positions: Any = None
     query_mask: Any = None
@@ -107,6 +110,19 @@ class AttentionSpec:
         return self.key_positions is None and self.static_offset == 0
 
     @property
+    def reach(self):
+        """`(left, right)`: the farthest keys a query may see, `p - left <=
+        j <= p + right`, from the window and the chunk (`(C - 1, C - 1)`,
+        right 0 with causal); `None` when neither bounds them."""
+        if self.chunk is None:
+            return self.window
+        side = self.chunk - 1
+        chunk = (side, 0 if self.causal else side)
+        if self.window is None:
+            return chunk
+        return tuple(min(a, b) for a, b in zip(self.window, chunk))
+
+    @property
     def plain_causal(self):
         """Whether the only mask is top-left causal: a backend's native
         causal kernel can serve it without a mask tensor (if no bias,
@@ -114,6 +130,7 @@ class AttentionSpec:
         return (
             self.causal
             and self.window is None
+            and self.chunk is None
             and self.keys_at_own_positions
             and not self.has_token_masks
             and self.attention_mask is None

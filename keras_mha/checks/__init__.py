@@ -18,6 +18,7 @@ from keras_mha.checks.arguments import rotary_embedding
 from keras_mha.checks.arguments import dropout_rate
 from keras_mha.checks.arguments import choice
 from keras_mha.checks.arguments import head_features
+from keras_mha.checks.arguments import single_attention_axis
 from keras_mha.checks.arguments import flash_attention
 from keras_mha.checks.arguments import output_shape
 from keras_mha.checks.arguments import attention_axes
@@ -61,5 +62,6 @@ __all__ = [
     "scores_and_flash",
     "segment_ids",
     "shape_and_dtype",
+    "single_attention_axis",
     "sliding_window",
 ]

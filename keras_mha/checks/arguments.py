@@ -135,6 +135,20 @@ def head_features(qk_norm, qk_norm_scope, qk_norm_epsilon,
     )
 
 
+def single_attention_axis(axes, received, **features):
+    """Features that need one attention axis (`sliding_window`,
+    `attention_chunk_size`): a `ValueError` for the first one given when
+    the checked `axes` are several (`received`: as the user passed them)."""
+    if axes is None or len(axes) <= 1:
+        return
+    for name, value in features.items():
+        if value is not None:
+            raise ValueError(
+                f"`{name}` needs a single attention axis. Received: "
+                f"{name}={value}, attention_axes={received}"
+            )
+
+
 def dropout_rate(value):
     """A dropout rate in `[0, 1)` as a Python float."""
     if (

@@ -172,6 +172,11 @@ def build_parser():
     bench.add_argument("--backward", action="store_true",
                        help="time forward+backward: the gradients with "
                        "respect to the input and the weights")
+    bench.add_argument("--features", action="store_true",
+                       help="time our layer (causal) with each feature of "
+                       "real checkpoints (qk_norm, chunks of w, a YaRN "
+                       "RoPE, the query temperature) against the same "
+                       "layer without, alternately (default T=16k, w=128)")
     bench.add_argument("--repeats", type=positive_int, metavar="R",
                        help="timed calls of each layer (default 10)")
     bench.add_argument("--plot", metavar="FILE.png",

@@ -22,6 +22,10 @@ says so in its cell, and the other sizes still run; on a CPU, Keras's layer
 is not run at a size whose `(B, N, T, T)` scores would not fit in the
 memory available. Interrupted (Ctrl-C), it shows the sizes measured so far
 and exits with 130.
+
+`--features` times our layer with each feature of real checkpoints against
+the same layer without it instead (`bench_features.py`), causal, by
+default at T=16k and w=128.
 """
 
 import importlib.util
@@ -46,7 +50,7 @@ _SUFFIXES = {"k": 2**10, "m": 2**20}
 # Flags passed on to a child process (`--backend`) as given.
 _FLAGS = ("batch", "lengths", "heads", "key_dim", "window", "repeats",
           "plot")
-_SWITCHES = ("causal", "backward")
+_SWITCHES = ("causal", "backward", "features")
 
 
 def child_args(args):
@@ -253,13 +257,19 @@ def run(args):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
                                TextColumn, TimeElapsedColumn)
 
-    lengths = parse_sizes(args.lengths or "1k,4k", "lengths")
-    windows = parse_sizes(args.window or "none", "window", allow_none=True)
+    features = getattr(args, "features", False)
+    lengths = parse_sizes(args.lengths or ("16k" if features else "1k,4k"),
+                          "lengths")
+    windows = parse_sizes(args.window or ("128" if features else "none"),
+                          "window", allow_none=True)
     repeats = args.repeats or 10
     backend = keras.backend.backend()
     if args.backward and backend == "numpy":
         raise CLIError("--backward: the numpy backend runs inference only "
                        "(no autodiff); choose another with --backend NAME")
+    if args.plot is not None and features:
+        raise CLIError("--plot draws Keras's layer against ours: not with "
+                       "--features")
     if args.plot is not None:
         _check_plot(args.plot)
     shape = {"batch": args.batch or 1, "heads": args.heads or 8,
@@ -274,15 +284,24 @@ def run(args):
         MofNCompleteColumn(), TimeElapsedColumn(), console=errors,
         transient=True, disable=not errors.is_terminal,
     ) as progress:
-        calls = 2 * (repeats + 1)  # per cell: a warm-up and the rounds
+        if features:
+            from keras_mha.cli import bench_features
+        # Per cell: a warm-up and the rounds of each layer.
+        calls = (len(bench_features.FEATURES) if features else 2) * (
+            repeats + 1)
         task = progress.add_task("", total=len(cells) * calls)
         try:
             for number, (t_len, window) in enumerate(cells):
                 progress.update(task,
                                 description=f"T={t_len} w={_w(window)}")
-                rows.append(_measure(shape, t_len, window, args.causal,
-                                     args.backward, repeats, device,
-                                     lambda: progress.advance(task)))
+                advance = lambda: progress.advance(task)  # noqa: E731
+                if features:
+                    rows += bench_features.measure(
+                        shape, t_len, window, args.backward, repeats, advance)
+                else:
+                    rows.append(_measure(shape, t_len, window, args.causal,
+                                         args.backward, repeats, device,
+                                         advance))
                 progress.update(task, completed=(number + 1) * calls)
         except KeyboardInterrupt:  # what was measured is still shown
             interrupted = True
@@ -291,13 +310,16 @@ def run(args):
     versions = f"{backend} {backend_version(backend) or ''}".strip()
     console.print(f"device: {device} ({versions}, keras "
                   f"{keras.__version__})")
-    if rows:
+    if rows and features:
+        console.print(bench_features.table(rows, shape, mode, repeats))
+    elif rows:
         console.print(_table(rows, shape, args.causal, mode, repeats))
     if args.plot is not None and rows:
         _save_plot(rows, args.plot, shape, args.causal, mode, device)
         console.print(f"plot written to {args.plot}")
     if interrupted:
-        console.print(f"interrupted after {len(rows)} of {len(cells)} sizes")
+        done = len({(row["T"], row["w"]) for row in rows})
+        console.print(f"interrupted after {done} of {len(cells)} sizes")
         return 130
     return 0
 
