@@ -9,6 +9,7 @@ what the call asks of attention (an `AttentionSpec`), attend
 import keras
 from keras import ops
 
+from keras_mha import axes as axes_lib
 from keras_mha import checks
 from keras_mha import describe as describe_lib
 from keras_mha import projections
@@ -242,6 +243,38 @@ class MultiHeadAttention(keras.layers.Layer):
     key_dense = _read_only("_key_dense")
     value_dense = _read_only("_value_dense")
     output_dense = _read_only("_output_dense")
+
+    # Keras's private names that code written for Keras's layer (its own
+    # tests, keras-hub's subclasses) reads, with Keras's meaning. The
+    # attention itself does not run these equations: they describe it.
+    @property
+    def _dot_product_equation(self):
+        """Keras's einsum of the logits, `(keys, queries) -> scores`
+        (built layers only)."""
+        return self._keras_equations()[0]
+
+    @property
+    def _combine_equation(self):
+        """Keras's einsum of the context, `(scores, values) -> context`
+        (built layers only)."""
+        return self._keras_equations()[1]
+
+    @property
+    def _inverse_sqrt_key_dim(self):
+        """Keras's logit scale: here `scale` (`1 / sqrt(key_dim)` if
+        unset)."""
+        return self._scale
+
+    def _keras_equations(self):
+        layout = getattr(self, "_layout", None)
+        if layout is None:
+            raise AttributeError(
+                "The attention's einsum equations exist once the layer is "
+                f"built; `{self.name}` is not built yet"
+            )
+        return axes_lib.keras_einsum_equations(
+            layout.rank, layout.attention_axes
+        )
 
     @property
     def sinks(self):
