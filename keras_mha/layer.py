@@ -9,7 +9,6 @@ what the call asks of attention (an `AttentionSpec`), attend
 import keras
 from keras import ops
 
-from keras_mha import axes as axes_lib
 from keras_mha import checks
 from keras_mha import describe as describe_lib
 from keras_mha import projections
@@ -18,6 +17,7 @@ from keras_mha.attention import attend_cached
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
+from keras_mha.private_names import KerasPrivateNames
 
 
 def _read_only(attribute, doc=None):
@@ -25,7 +25,7 @@ def _read_only(attribute, doc=None):
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
-class MultiHeadAttention(keras.layers.Layer):
+class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
     """Multi-head attention, a drop-in for `keras.layers.MultiHeadAttention`.
 
     Projects `query`, `key` and `value` into heads, attends, concatenates the
@@ -243,38 +243,6 @@ class MultiHeadAttention(keras.layers.Layer):
     key_dense = _read_only("_key_dense")
     value_dense = _read_only("_value_dense")
     output_dense = _read_only("_output_dense")
-
-    # Keras's private names that code written for Keras's layer (its own
-    # tests, keras-hub's subclasses) reads, with Keras's meaning. The
-    # attention itself does not run these equations: they describe it.
-    @property
-    def _dot_product_equation(self):
-        """Keras's einsum of the logits, `(keys, queries) -> scores`
-        (built layers only)."""
-        return self._keras_equations()[0]
-
-    @property
-    def _combine_equation(self):
-        """Keras's einsum of the context, `(scores, values) -> context`
-        (built layers only)."""
-        return self._keras_equations()[1]
-
-    @property
-    def _inverse_sqrt_key_dim(self):
-        """Keras's logit scale: here `scale` (`1 / sqrt(key_dim)` if
-        unset)."""
-        return self._scale
-
-    def _keras_equations(self):
-        layout = getattr(self, "_layout", None)
-        if layout is None:
-            raise AttributeError(
-                "The attention's einsum equations exist once the layer is "
-                f"built; `{self.name}` is not built yet"
-            )
-        return axes_lib.keras_einsum_equations(
-            layout.rank, layout.attention_axes
-        )
 
     @property
     def sinks(self):
@@ -532,7 +500,7 @@ class MultiHeadAttention(keras.layers.Layer):
         """A rolling cache's slots: the keys a causal query sees, `left + 1`."""
         return spec_lib.window_sides(self._sliding_window, True)[0] + 1
 
-    def init_cache(self, batch_size, max_length):
+    def init_cache(self, batch_size, max_length, in_place=False):
         """A zero key/value cache for decoding up to `max_length` tokens.
 
         Args:
@@ -540,6 +508,9 @@ class MultiHeadAttention(keras.layers.Layer):
             max_length: the longest sequence to decode. With a
                 `sliding_window` the cache is a rolling buffer of `w` slots
                 whatever `max_length` is.
+            in_place: whether calls may write into this cache's own
+                tensors (see below). `False` (the default): the caller
+                owns the cache.
 
         Returns:
             A tuple `(keys, values, valid)` (see
@@ -550,19 +521,21 @@ class MultiHeadAttention(keras.layers.Layer):
             `left + 1` (`w`) when rolling. A call returns a cache of the
             same structure.
 
-        A call with `cache=` writes its tokens in place where the backend
-        allows: on torch and in eager TensorFlow (outside a gradient tape)
-        the returned cache holds the tensors passed in, updated, and every
-        tensor sharing their buffers sees the write; in eager JAX the
-        tensors passed in are donated (do not use them again); under
-        `jax.jit` with donation and XLA the write reuses the buffers.
+        By default a call never deletes, donates or writes into the cache
+        it is given: it returns a new one, as Keras and keras-hub do. With
+        `in_place=True` an eager call writes into the cache's own tensors,
+        O(T) instead of O(L) (torch, TensorFlow: the same tensors come
+        back; JAX: the ones passed in are donated), and returns an
+        in-place cache. Traced (`jax.jit`, `tf.function`), writes are
+        functional in both modes and XLA reuses donated buffers.
         """
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_length", max_length)
+        checks.boolean("in_place", in_place)
         slots = self._rolling_slots if self.rolling_cache else max_length
         return cache_lib.zeros(
             batch_size, slots, self._num_key_value_heads, self._key_dim,
-            self._value_dim, self.compute_dtype,
+            self._value_dim, self.compute_dtype, in_place=in_place,
         )
 
     # ----------------------------------------------------------------- shapes
