@@ -143,7 +143,7 @@ def table(rows, shape, repeats):
         hub = row["keras-hub"]
         result.add_row(
             f"{row['slots']:,}", f"{row['position']:,}", f"{hub:.3g}",
-            f"{row['ours']:.3g}", f"{hub / row['ours']:.1f}x",
+            f"{row['ours']:.3g}", f"{hub / row['ours']:.3g}x",
             f"{row['ours in place']:.3g}",
-            f"{hub / row['ours in place']:.1f}x")
+            f"{hub / row['ours in place']:.3g}x")
     return result
