@@ -177,6 +177,12 @@ def build_parser():
                        "real checkpoints (qk_norm, chunks of w, a YaRN "
                        "RoPE, the query temperature) against the same "
                        "layer without, alternately (default T=16k, w=128)")
+    bench.add_argument("--decode", action="store_true",
+                       help="time one eager decode step instead: keras-hub's "
+                       "CachedMultiHeadAttention, ours with a cache the "
+                       "caller owns (the default) and ours with an in-place "
+                       "cache, at p=1k in caches of --lengths slots "
+                       "(default 64k)")
     bench.add_argument("--repeats", type=positive_int, metavar="R",
                        help="timed calls of each layer (default 10)")
     bench.add_argument("--plot", metavar="FILE.png",

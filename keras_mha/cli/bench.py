@@ -50,7 +50,7 @@ _SUFFIXES = {"k": 2**10, "m": 2**20}
 # Flags passed on to a child process (`--backend`) as given.
 _FLAGS = ("batch", "lengths", "heads", "key_dim", "window", "repeats",
           "plot")
-_SWITCHES = ("causal", "backward", "features")
+_SWITCHES = ("causal", "backward", "decode", "features")
 
 
 def child_args(args):
@@ -257,6 +257,12 @@ def run(args):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
                                TextColumn, TimeElapsedColumn)
 
+    if getattr(args, "decode", False) and getattr(args, "features", False):
+        raise CLIError("--decode and --features exclude each other")
+    if getattr(args, "decode", False):
+        from keras_mha.cli.decode_bench import run as run_decode
+
+        return run_decode(args, parse_sizes, time_alternately, device_name())
     features = getattr(args, "features", False)
     lengths = parse_sizes(args.lengths or ("16k" if features else "1k,4k"),
                           "lengths")
