@@ -38,11 +38,12 @@ class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
     under one backend loads under every other.
 
     Weights: the `EinsumDense` sublayers `query`, `key`, (`gate`), `value`
-    and `attention_output`, Keras's names, shapes and order, then `sinks`;
-    `set_weights(keras_layer.get_weights())` works both ways. Read-only
-    properties give the constructor's values resolved (`value_dim`,
-    `num_key_value_heads` and `scale` filled in) and the projections
-    (`query_dense`, `key_dense`, `value_dense`, `output_dense`).
+    and `attention_output`, Keras's names, shapes and order, then `sinks`,
+    `query_norm` and `key_norm`; `set_weights(keras_layer.get_weights())`
+    works both ways. Read-only properties give the constructor's values
+    resolved (`value_dim`, `num_key_value_heads` and `scale` filled in) and
+    the sublayers (`query_dense`, `key_dense`, `value_dense`,
+    `output_dense`, `query_norm`, `key_norm`).
 
     Args:
         num_heads: `N`, the number of query heads.

@@ -524,8 +524,11 @@ def test_bench_features_table():
     rows[-1] = {**rows[-1], "failed": "MemoryError"}
     del rows[-1]["seconds"]
     console = Console(width=120, record=True)
+    helpers = bench_features.Helpers(bench.runner, bench.time_alternately,
+                                     bench._reason, bench._describe,
+                                     bench._w, bench._ms_text)
     console.print(bench_features.table(
-        rows, {"batch": 1, "heads": 2, "key_dim": 4}, "forward", 3))
+        rows, {"batch": 1, "heads": 2, "key_dim": 4}, "forward", 3, helpers))
     text = console.export_text()
     assert "forward, B=1, N=2, H=4, causal" in text
     assert re.search(r"qk_norm +│ +2\.20 │ +1\.10x │ banded", text), text

@@ -292,6 +292,10 @@ def run(args):
     ) as progress:
         if features:
             from keras_mha.cli import bench_features
+
+            helpers = bench_features.Helpers(runner, time_alternately,
+                                             _reason, _describe, _w,
+                                             _ms_text)
         # Per cell: a warm-up and the rounds of each layer.
         calls = (len(bench_features.FEATURES) if features else 2) * (
             repeats + 1)
@@ -303,7 +307,8 @@ def run(args):
                 advance = lambda: progress.advance(task)  # noqa: E731
                 if features:
                     rows += bench_features.measure(
-                        shape, t_len, window, args.backward, repeats, advance)
+                        shape, t_len, window, args.backward, repeats, advance,
+                        helpers)
                 else:
                     rows.append(_measure(shape, t_len, window, args.causal,
                                          args.backward, repeats, device,
@@ -317,7 +322,8 @@ def run(args):
     console.print(f"device: {device} ({versions}, keras "
                   f"{keras.__version__})")
     if rows and features:
-        console.print(bench_features.table(rows, shape, mode, repeats))
+        console.print(bench_features.table(rows, shape, mode, repeats,
+                                           helpers))
     elif rows:
         console.print(_table(rows, shape, args.causal, mode, repeats))
     if args.plot is not None and rows:

@@ -6,15 +6,21 @@ sliding window of w) is timed alternately, call for call, with the same
 layer and one feature on: `qk_norm="rms"`, chunks of w in place of the
 window (`attention_chunk_size`, Llama 4's chunked layers; chunks of 128
 without a window), gpt-oss's YaRN rotary embedding, Llama 4's
-`query_temperature`. Each is run as `keras-mha bench` runs a layer
-(`runner`), with the same projection weights, and the table gives each
-one's median time per call, its ratio to the plain layer's over the same
-seconds, and the path it takes.
+`query_temperature`. Each is run as `keras-mha bench` runs a layer, with
+the same projection weights, and the table gives each one's median time
+per call, its ratio to the plain layer's over the same seconds, and the
+path it takes. `bench` passes its helpers in (`Helpers`): this module does
+not import it.
 """
 
+import collections
 import statistics
 
-from keras_mha.cli import bench
+# What `bench.py` lends: its compiled step of a layer, the alternate
+# timing, and its texts of an error, a window and milliseconds.
+Helpers = collections.namedtuple(
+    "Helpers", ["runner", "time_alternately", "reason", "describe", "w",
+                "ms_text"])
 
 FEATURES = ("plain", "qk_norm", "chunked", "yarn", "temperature")
 _CHUNK_WITHOUT_WINDOW = 128
@@ -69,18 +75,18 @@ def feature_layers(shape, t_len, window):
     return layers, x
 
 
-def measure(shape, t_len, window, backward, repeats, advance):
+def measure(shape, t_len, window, backward, repeats, advance, helpers):
     """One row per feature: `{"T", "w", "feature", "path", "seconds"}` or
     `"failed"` instead of `"seconds"`."""
     layers, x = feature_layers(shape, t_len, window)
-    calls = [(feature, bench.runner(layer, x, True, backward))
+    calls = [(feature, helpers.runner(layer, x, True, backward))
              for feature, layer in layers]
     rows = []
     try:
-        times = bench.time_alternately(calls, repeats, advance)
+        times = helpers.time_alternately(calls, repeats, advance)
     except Exception as error:  # most often out of memory
         times = {}
-        failed = bench._reason(error)
+        failed = helpers.reason(error)
     for feature, layer in layers:
         row = {"T": t_len, "w": window, "feature": feature,
                "path": layer.attention_path(tuple(x.shape), tuple(x.shape),
@@ -93,11 +99,11 @@ def measure(shape, t_len, window, backward, repeats, advance):
     return rows
 
 
-def table(rows, shape, mode, repeats):
+def table(rows, shape, mode, repeats, helpers):
     from rich.table import Table
 
     result = Table(
-        title=bench._describe(shape, True, mode) + ", each feature against "
+        title=helpers.describe(shape, True, mode) + ", each feature against "
         "the plain layer", caption=f"median of {repeats} calls each, timed "
         "alternately with the plain layer", title_justify="left",
         caption_justify="left")
@@ -114,7 +120,7 @@ def table(rows, shape, mode, repeats):
         base = plain.get((row["T"], row["w"]))
         ratio = (f"{ms / base:.2f}x" if ms is not None and base
                  and row["feature"] != "plain" else "-")
-        result.add_row(str(row["T"]), bench._w(row["w"]), row["feature"],
-                       bench._ms_text(ms) if ms is not None
+        result.add_row(str(row["T"]), helpers.w(row["w"]), row["feature"],
+                       helpers.ms_text(ms) if ms is not None
                        else row["failed"], ratio, row["path"])
     return result
