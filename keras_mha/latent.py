@@ -11,6 +11,7 @@ import keras
 from keras import ops
 
 from keras_mha import checks
+from keras_mha.checks import latent as latent_checks
 from keras_mha import describe as describe_lib
 from keras_mha import projections
 from keras_mha.attention import latent as latent_lib
@@ -242,7 +243,7 @@ class MultiHeadLatentAttention(keras.layers.Layer):
 
     def build(self, query_shape, value_shape, key_shape=None):
         query_shape, value_shape = tuple(query_shape), tuple(value_shape)
-        _check_shapes(query_shape, value_shape)
+        latent_checks.shapes(query_shape, value_shape)
         self._feature_sizes = (query_shape[-1], value_shape[-1])
         heads, head = self._num_heads, self._qk_head_dim
         if self._q_lora_rank is None:
@@ -320,9 +321,9 @@ class MultiHeadLatentAttention(keras.layers.Layer):
         cache=None,
         cache_update_index=None,
     ):
-        _check_call(self, query, value, key, query_mask, value_mask,
-                    key_mask, attention_mask, use_causal_mask, cache,
-                    cache_update_index)
+        latent_checks.call(self, query, value, key, query_mask, value_mask,
+                           key_mask, attention_mask, use_causal_mask, cache,
+                           cache_update_index)
         nope, rank = self._qk_nope_head_dim, self._kv_lora_rank
         if self._q_lora_rank is None:
             q = self._query_dense(query)  # (B, T, N, Hn + P)
@@ -433,7 +434,7 @@ class MultiHeadLatentAttention(keras.layers.Layer):
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         query_shape = tuple(query_shape)
-        _check_shapes(query_shape, tuple(value_shape))
+        latent_checks.shapes(query_shape, tuple(value_shape))
         return query_shape
 
     def compute_output_spec(
@@ -451,9 +452,9 @@ class MultiHeadLatentAttention(keras.layers.Layer):
         cache=None,
         cache_update_index=None,
     ):
-        _check_call(self, query, value, key, query_mask, value_mask,
-                    key_mask, attention_mask, use_causal_mask, cache,
-                    cache_update_index)
+        latent_checks.call(self, query, value, key, query_mask, value_mask,
+                           key_mask, attention_mask, use_causal_mask, cache,
+                           cache_update_index)
         specs = [keras.KerasTensor(tuple(query.shape),
                                    dtype=self.compute_dtype)]
         if return_attention_scores:
@@ -483,122 +484,3 @@ def _zero_padding(x, tokens):
         return x
     keep = ops.reshape(tokens, tuple(ops.shape(tokens)) + (1,) * (x.ndim - 2))
     return ops.where(keep, x, ops.zeros_like(x))
-
-
-def _check_shapes(query_shape, value_shape):
-    for name, shape in (("query", query_shape), ("value", value_shape)):
-        if len(shape) != 3:
-            raise ValueError(
-                f"`{name}` must have rank 3 (batch, sequence, features). "
-                f"Received: {name}.shape={shape}"
-            )
-        if shape[-1] is None:
-            raise ValueError(
-                f"The last dimension of `{name}` must be defined. "
-                f"Received: {name}.shape={shape}"
-            )
-    if not checks.dims_agree(query_shape[:1], value_shape[:1]):
-        raise ValueError(
-            "`query` and `value` must have the same batch size. Received: "
-            f"query.shape={query_shape}, value.shape={value_shape}"
-        )
-
-
-def _check_call(layer, query, value, key, query_mask, value_mask, key_mask,
-                attention_mask, use_causal_mask, cache, cache_update_index):
-    """Checks a call from shapes and dtypes alone (eager and symbolic)."""
-    query_shape, value_shape = tuple(query.shape), tuple(value.shape)
-    _check_shapes(query_shape, value_shape)
-    if key is not None and key is not value:
-        raise ValueError(
-            "Keys and values both come from the latents of `value`: `key` "
-            "must be `None` or `value` itself. Received: key with shape "
-            f"{tuple(key.shape)}"
-        )
-    if layer.built:
-        for name, shape, size in (
-            ("query", query_shape, layer._feature_sizes[0]),
-            ("value", value_shape, layer._feature_sizes[1]),
-        ):
-            if shape[-1] != size:
-                raise ValueError(
-                    f"`{name}` must have {size} features, as when the layer "
-                    f"was built. Received: {name}.shape={shape}"
-                )
-    for name, mask, shape in (
-        ("query_mask", query_mask, query_shape),
-        ("value_mask", value_mask, value_shape),
-        ("key_mask", key_mask, value_shape),
-    ):
-        if mask is not None:
-            checks.mask_argument(name, mask, {2: ("(B, L)", shape[:2])})
-    if attention_mask is not None:
-        batch, t_len, s_len = query_shape[0], query_shape[1], value_shape[1]
-        checks.mask_argument("attention_mask", attention_mask, {
-            2: ("(T, S)", (t_len, s_len)),
-            3: ("(B, T, S)", (batch, t_len, s_len)),
-            4: ("(B, N, T, S)", (batch, layer._num_heads, t_len, s_len)),
-        })
-    if cache is None and cache_update_index is None:
-        return
-    if cache is None or cache_update_index is None:
-        raise ValueError(
-            "`cache` and `cache_update_index` go together. Received: "
-            f"cache={'None' if cache is None else 'a cache'}, "
-            f"cache_update_index={cache_update_index!r}"
-        )
-    if not use_causal_mask:
-        raise ValueError(
-            "Decoding with a cache needs `use_causal_mask=True`. "
-            f"Received: use_causal_mask={use_causal_mask}"
-        )
-    if attention_mask is not None:
-        raise ValueError(
-            "`attention_mask` is not supported with a cache; pass "
-            "`query_mask`/`value_mask` (the cache remembers padding). "
-            "Received: attention_mask with shape "
-            f"{tuple(attention_mask.shape)}"
-        )
-    if not checks.dims_agree(value_shape[1:2], query_shape[1:2]):
-        raise ValueError(
-            "With a cache, `value` holds the new tokens: it must have the "
-            f"length of `query`. Received: query.shape={query_shape}, "
-            f"value.shape={value_shape}"
-        )
-    _check_cache(layer, cache, query_shape[0])
-    checks.cache_index(cache_update_index, query_shape[1],
-                       cache[0].shape[1], layer.rolling_cache)
-
-
-def _check_cache(layer, cache, batch):
-    if not isinstance(cache, (tuple, list)) or len(cache) != 3 or not all(
-        hasattr(part, "shape") and hasattr(part, "dtype") for part in cache
-    ):
-        raise TypeError(
-            "`cache` must be the tuple `(latents, rope_keys, valid)` that "
-            "`init_cache` returns. Received: cache of type "
-            f"{type(cache).__name__}"
-        )
-    slots = layer._rolling_slots if layer.rolling_cache else None
-    if slots is None and len(cache[0].shape) > 1:
-        slots = cache[0].shape[1]
-    expected = (
-        (batch, slots, layer._kv_lora_rank),
-        (batch, slots, layer._qk_rope_head_dim),
-        (batch, slots),
-    )
-    for i, (part, want) in enumerate(zip(cache, expected)):
-        shape = tuple(part.shape)
-        if len(shape) != len(want) or not checks.dims_agree(shape, want):
-            raise ValueError(
-                "`cache` must be `(latents, rope_keys, valid)` of shapes "
-                f"(B, L, kv_lora_rank), (B, L, qk_rope_head_dim) and (B, L) "
-                f"= {expected} (see `init_cache`). Received: "
-                f"cache[{i}].shape={shape}"
-            )
-    valid = keras.backend.standardize_dtype(cache[2].dtype)
-    if valid != "bool":
-        raise TypeError(
-            "`cache[2]` (valid) must be a boolean tensor (see `init_cache`). "
-            f"Received: cache[2].dtype={valid}"
-        )
