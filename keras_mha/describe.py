@@ -41,7 +41,7 @@ def describe(
         scale=layer._scale,
         causal=bool(use_causal_mask),
         window=spec_lib.window_sides(layer._sliding_window, use_causal_mask),
-        chunk=layer._attention_chunk_size,
+        chunk=getattr(layer, "_attention_chunk_size", None),  # latent: none
         query_mask=query_tokens,
         key_mask=key_tokens,
         attention_mask=dense_mask,
