@@ -18,6 +18,8 @@ masks from the spec with the position rule of `masks.py`:
   `cache_kernels.py` the cache's in-place writes and `decode_kernels.py`
   the eager decode step's (torch's fused kernel over the slots; on
   TensorFlow and JAX the step compiled as one function);
+- `sharded.py`: the routes of a sequence sharded over devices
+  (`keras_mha.ContextParallel`);
 - `tuning.py`: the numbers the rule and the algorithms read, per backend
   and platform.
 
@@ -26,6 +28,7 @@ Nothing here imports the layer or the command line.
 
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import dispatch
+from keras_mha.attention import sharded
 from keras_mha.attention import tuning
 from keras_mha.attention.banded import banded_attention
 from keras_mha.attention.blocked import blocked_attention
@@ -50,9 +53,16 @@ def attend(query, key, value, spec):
         `(output, weights)`: `(B, T, N, V)` in the query's dtype, and the
         `(B, N, T, S)` weights when `spec.return_weights` (else `None`).
     """
+    shapes = dispatch.Shapes.of(query, key, value)
+    if spec.sharding is not None:
+        sharded.check_lengths(spec.sharding, shapes.query_length,
+                              shapes.key_length)
+        route = dispatch.context_route(spec, shapes)
+        if route == dispatch.HALO:
+            return sharded.halo_attention(query, key, value, spec, attend), None
+        spec = spec.replace(sharding=None)
     path = dispatch.choose_path(
-        spec, dispatch.Shapes.of(query, key, value),
-        platform=tuning.device_platform(query),
+        spec, shapes, platform=tuning.device_platform(query),
     )
     if path == dispatch.EXPLICIT:
         output, weights = explicit_attention(query, key, value, spec)

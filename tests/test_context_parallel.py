@@ -1,0 +1,316 @@
+"""Context parallelism gives the single-device results (JAX).
+
+One subprocess with 8 host devices (`python tests/test_context_parallel.py`
+prints a JSON report) runs one model under `keras_mha.ContextParallel` on
+each mesh and without a distribution: its outputs, its gradients and the
+losses of 3 `fit` steps must agree. The model covers a causal window with
+sinks, segment ids and RoPE (the halo exchange, several hops when a shard
+is shorter than the window), full causal self-attention with grouped
+heads, and non-causal cross-attention over a sharded encoder output, with
+padding from an `Embedding(mask_zero=True)`. One process and one model
+keep the compiles few.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mha
+from keras_mha.attention import dispatch
+from keras_mha.attention.sharded import ContextPlan
+from keras_mha.attention.spec import AttentionSpec
+
+DEVICES = 8
+BATCH, LENGTH, ENCODED, FEATURES, VOCAB = 4, 256, 128, 16, 11
+WINDOW = 64
+# mesh name -> (shape, axis names); "2x2x2" shards heads with `layout_map`.
+MESHES = {
+    "1x8": ((1, 8), ("batch", "context")),
+    "2x4": ((2, 4), ("batch", "context")),
+    "2x2x2": ((2, 2, 2), ("batch", "context", "model")),
+}
+# The model's attention outputs, each a case of the report.
+CASES = ("window", "causal", "cross")
+TOLERANCE = 1e-5
+
+
+def _build_model():
+    tokens = keras.Input((LENGTH,), dtype="int32", name="tokens")
+    segments = keras.Input((LENGTH,), dtype="int32", name="segments")
+    encoded = keras.Input((ENCODED, FEATURES), name="encoded")
+    h = keras.layers.Embedding(VOCAB, FEATURES, mask_zero=True,
+                               name="embedding")(tokens)
+    window = keras_mha.MultiHeadAttention(
+        4, 8, sliding_window=WINDOW, use_sinks=True,
+        rotary_embedding=keras_mha.RotaryEmbedding(), name="window",
+    )(h, h, use_causal_mask=True, segment_ids=segments)
+    h = keras.layers.LayerNormalization(name="norm")(h + window)
+    causal = keras_mha.MultiHeadAttention(
+        4, 8, num_key_value_heads=2,
+        rotary_embedding=keras_mha.RotaryEmbedding(), name="causal",
+    )(h, h, use_causal_mask=True)
+    h = h + causal
+    cross = keras_mha.MultiHeadAttention(4, 8, name="cross")(h, encoded)
+    out = keras.layers.Dense(FEATURES, name="out")(h + cross)
+    model = keras.Model(
+        [tokens, segments, encoded],
+        {"window": window, "causal": causal, "cross": cross, "out": out},
+    )
+    rng = np.random.default_rng(0)
+    model.set_weights([
+        rng.normal(scale=0.2, size=w.shape).astype("float32")
+        for w in model.get_weights()
+    ])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss={"out": "mse"},
+    )
+    return model
+
+
+def _data(batches=1):
+    rng = np.random.default_rng(1)
+    size = BATCH * batches
+    tokens = rng.integers(1, VOCAB, size=(size, LENGTH)).astype("int32")
+    tokens[:, -37:] = 0  # padding at the end, across shards
+    tokens[1, :5] = 0  # and at the start
+    # Packed documents whose boundaries fall inside and between shards.
+    segments = np.cumsum(rng.random((size, LENGTH)) < 0.01, axis=1)
+    encoded = rng.normal(size=(size, ENCODED, FEATURES)).astype("float32")
+    target = rng.normal(size=(size, LENGTH, FEATURES)).astype("float32")
+    return [tokens, segments.astype("int32"), encoded], target
+
+
+def _results(distribution):
+    """Outputs and gradients (one compile), then 3 `fit` steps."""
+    import jax
+    import jax.numpy as jnp
+
+    inputs, target = _data()
+    if distribution is None:
+        model = _build_model()
+        placed = inputs
+    else:
+        with distribution.scope():
+            model = _build_model()
+        placed = [
+            jax.device_put(
+                x, distribution.get_data_layout(x.shape).backend_layout
+            )
+            for x in inputs
+        ]
+    scope = distribution.scope() if distribution else _nothing()
+    with scope:
+        trainable = [v.value for v in model.trainable_variables]
+        others = [v.value for v in model.non_trainable_variables]
+
+        def loss(trainable):
+            result, _ = model.stateless_call(trainable, others, placed)
+            return jnp.mean(jnp.square(result["out"] - target)), result
+
+        gradients, outputs = jax.jit(jax.grad(loss, has_aux=True))(trainable)
+        x, y = _data(3)
+        history = model.fit(x, {"out": y}, batch_size=BATCH, epochs=1,
+                            shuffle=False, verbose=0)
+    names = [v.path for v in model.trainable_variables]
+    assert len(set(names)) == len(names), names
+    return (
+        {name: np.asarray(outputs[name]) for name in (*CASES, "out")},
+        {name: np.asarray(g) for name, g in zip(names, gradients)},
+        # One epoch of 3 steps: Keras reports the running mean; the
+        # per-step losses are compared through it and the weights.
+        {"loss": history.history["loss"],
+         "weights": [np.asarray(w) for w in model.get_weights()]},
+    )
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _diff(actual, expected):
+    return float(np.max(np.abs(actual - expected) / (1 + np.abs(expected))))
+
+
+def _distribution(mesh_name):
+    import jax
+
+    shape, axes = MESHES[mesh_name]
+    mesh = keras.distribution.DeviceMesh(shape, axes, jax.devices())
+    layout_map = None
+    if "model" in axes:
+        layout_map = keras_mha.layout_map(mesh, "model")
+    return keras_mha.ContextParallel(mesh, layout_map=layout_map)
+
+
+def _errors(mesh_name):
+    """The errors raised at call time on this mesh, by kind."""
+    distribution = _distribution(mesh_name)
+    found = {}
+    with distribution.scope():
+        layer = keras_mha.MultiHeadAttention(2, 4, sliding_window=8)
+        x = np.zeros((2, LENGTH + 4, 8), "float32")  # 4 tokens too many
+        try:
+            layer(x, x)
+        except ValueError as error:
+            found["indivisible"] = str(error)
+    return found
+
+
+def main():
+    import jax
+
+    assert len(jax.devices()) == DEVICES, jax.devices()
+    single = _results(None)
+    report = {}
+    for mesh_name in MESHES:
+        outputs, gradients, fit = _results(_distribution(mesh_name))
+        report[mesh_name] = {
+            "outputs": {
+                name: _diff(outputs[name], single[0][name])
+                for name in outputs
+            },
+            "gradients": {
+                name: _diff(gradients[name], single[1][name])
+                for name in gradients
+            },
+            "gradient_size": max(
+                float(np.max(np.abs(g))) for g in single[1].values()
+            ),
+            "losses": [fit["loss"], single[2]["loss"]],
+            "weights": max(
+                _diff(a, b) for a, b in zip(fit["weights"], single[2]["weights"])
+            ),
+        }
+    report["errors"] = _errors("2x4")
+    print("REPORT " + json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def report():
+    if keras.backend.backend() != "jax":
+        pytest.skip("Keras's distribution API is JAX-only; other backends "
+                    "test the error (`TestErrors`)")
+    env = dict(os.environ)
+    env.update(
+        KERAS_BACKEND="jax",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+        JAX_PLATFORMS="cpu",
+    )
+    result = subprocess.run(
+        [sys.executable, str(pathlib.Path(__file__).resolve())],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    lines = [line for line in result.stdout.splitlines()
+             if line.startswith("REPORT ")]
+    assert result.returncode == 0 and lines, result.stderr[-4000:]
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+class TestSameAsOneDevice:
+    @pytest.mark.parametrize("case", [*CASES, "out"])
+    def test_outputs(self, report, mesh, case):
+        assert report[mesh]["outputs"][case] < TOLERANCE, report[mesh]
+
+    def test_gradients(self, report, mesh):
+        gradients = report[mesh]["gradients"]
+        assert report[mesh]["gradient_size"] > 1e-3  # else nothing to compare
+        assert {name.split("/")[0] for name in gradients} >= set(CASES)
+        worst = max(gradients, key=gradients.get)
+        assert gradients[worst] < TOLERANCE, (worst, gradients[worst])
+
+    @pytest.mark.training
+    def test_fit(self, report, mesh):
+        losses, single = report[mesh]["losses"]
+        np.testing.assert_allclose(losses, single, rtol=TOLERANCE)
+        assert report[mesh]["weights"] < TOLERANCE
+
+
+def test_indivisible_length(report):
+    message = report["errors"]["indivisible"]
+    assert "multiple of the context axis size 4" in message
+    assert f"T={LENGTH + 4}" in message
+
+
+def _mesh(shape=(2, 4), axes=("batch", "context")):
+    # Device names only: nothing is placed.
+    devices = [f"cpu:{i}" for i in range(int(np.prod(shape)))]
+    return keras.distribution.DeviceMesh(shape, axes, devices=devices)
+
+
+class TestErrors:
+    def test_unknown_axis(self):
+        with pytest.raises(ValueError, match="Received: context_dim_name='seq'"):
+            keras_mha.ContextParallel(_mesh(), context_dim_name="seq")
+        with pytest.raises(ValueError, match="Received: batch_dim_name='data'"):
+            keras_mha.ContextParallel(_mesh(), batch_dim_name="data")
+
+    def test_same_axis_twice(self):
+        with pytest.raises(ValueError, match="must differ"):
+            keras_mha.ContextParallel(_mesh(), batch_dim_name="context")
+
+    def test_layout_map_on_another_mesh(self):
+        other = keras.distribution.LayoutMap(_mesh())
+        with pytest.raises(ValueError, match="layout_map.device_mesh"):
+            keras_mha.ContextParallel(_mesh(), layout_map=other)
+
+    @pytest.mark.skipif(keras.backend.backend() == "jax",
+                        reason="the error of the other backends")
+    def test_other_backends_raise(self):
+        layer = keras_mha.MultiHeadAttention(2, 4)
+        x = np.zeros((1, 8, 8), "float32")
+        layer(x, x)
+        with keras_mha.ContextParallel(_mesh((1, 2))).scope():
+            with pytest.raises(NotImplementedError,
+                               match="Keras's distribution API is JAX-only"):
+                layer(x, x)
+
+
+class TestLayout:
+    """The data layout and the routes, from shapes alone."""
+
+    def test_data_layout(self):
+        distribution = keras_mha.ContextParallel(_mesh())
+        assert distribution.context_size == 4
+        assert distribution.get_data_layout((8, 16, 3)).axes == (
+            "batch", "context", None
+        )
+        assert distribution.get_data_layout((8,)).axes == ("batch",)
+        # An axis 1 the context axis does not divide is not split.
+        assert distribution.get_data_layout((8, 6)).axes == ("batch", None)
+
+    @pytest.mark.parametrize(
+        "changes, route",
+        [
+            (dict(window=(63, 0), causal=True), dispatch.HALO),
+            (dict(window=(40, 20)), dispatch.HALO),
+            (dict(causal=True), None),
+            (dict(window=(63, 0), return_weights=True), None),
+            (dict(window=(63, 0), dropout=0.1), None),
+        ],
+        ids=["causal_window", "two_sided", "full_causal", "weights",
+             "dropout"],
+    )
+    def test_routes(self, changes, route):
+        plan = ContextPlan(mesh=None, batch_axis="batch",
+                           context_axis="context", size=4)
+        spec = AttentionSpec(scale=1.0, sharding=plan, **changes)
+        shapes = dispatch.Shapes(64, 64, 8, 8)
+        assert dispatch.context_route(spec, shapes) == route
+        assert dispatch.context_route(spec.replace(sharding=None), shapes) \
+            is None
+
+
+if __name__ == "__main__":
+    main()
