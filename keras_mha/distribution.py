@@ -87,7 +87,12 @@ class ContextParallel(keras.distribution.ModelParallel):
     - a sliding window `(left, right)` receives the `left` keys and values
       before each shard and the `right` after it from its neighbours (a
       halo, O(w) per device whatever `T` is), then attends locally;
-    - other calls run on the whole sequence, which XLA gathers.
+    - other calls without a dense mask or bias pass key/value blocks
+      around a ring with an online softmax; causal self-attention is laid
+      out in zig-zag order inside the layer, so every device does the same
+      work (the caller still sees tokens in their natural order);
+    - calls neither can serve (returned weights, dropout, a dense mask or
+      bias) run on the whole sequence, which XLA gathers.
 
     Positions stay global: masks, windows, rotary angles and ALiBi use each
     token's absolute position, whichever device holds it. Outputs and
@@ -109,7 +114,9 @@ class ContextParallel(keras.distribution.ModelParallel):
 
     Raises:
         ValueError: if an axis name is not in `device_mesh`, the two names
-            are the same, or `layout_map` is on another mesh.
+            are the same, or `layout_map` is on another mesh; when called,
+            if `P` does not divide a sequence length (`2P` for causal
+            self-attention, which runs in zig-zag order).
     """
 
     def __init__(self, device_mesh, context_dim_name="context",
@@ -187,4 +194,28 @@ def context_plan():
         batch_axis=distribution.batch_dim_name,
         context_axis=distribution.context_dim_name,
         size=distribution.context_size,
+    )
+
+
+def shard_cache(cache, rolling):
+    """A new decoding cache laid out for the active distribution.
+
+    Under a `ContextParallel`, a full cache whose slots the context axis
+    divides is sharded like the tokens: `(B, L, ...)` over the batch and
+    context axes, so each device holds `L / P` slots. Otherwise (no such
+    distribution, a rolling cache of `w` slots) `cache` itself.
+    """
+    distribution = keras.distribution.distribution()
+    if (
+        not isinstance(distribution, ContextParallel)
+        or rolling
+        or keras.backend.backend() != "jax"
+        or cache[0].shape[1] % distribution.context_size
+    ):
+        return cache
+    return tuple(
+        keras.distribution.distribute_tensor(
+            part, distribution.get_data_layout(part.shape)
+        )
+        for part in cache
     )

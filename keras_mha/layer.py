@@ -11,6 +11,7 @@ from keras import ops
 
 from keras_mha import checks
 from keras_mha import describe as describe_lib
+from keras_mha import distribution as distribution_lib
 from keras_mha import projections
 from keras_mha.attention import attend
 from keras_mha.attention import attend_cached
@@ -515,7 +516,9 @@ class MultiHeadAttention(keras.layers.Layer):
             `valid` `(B, L)` boolean, true in the slots where a real
             (unpadded) token was written. `L` is `max_length`, or
             `left + 1` (`w`) when rolling. A call returns a cache of the
-            same structure.
+            same structure. Under `keras_mha.ContextParallel` a full
+            cache has its slots sharded over the context axis, and each
+            decoding step merges the devices' parts by their log-sum-exps.
 
         A call with `cache=` writes its tokens in place where the backend
         allows: on torch and in eager TensorFlow (outside a gradient tape)
@@ -527,10 +530,11 @@ class MultiHeadAttention(keras.layers.Layer):
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_length", max_length)
         slots = self._rolling_slots if self.rolling_cache else max_length
-        return cache_lib.zeros(
+        cache = cache_lib.zeros(
             batch_size, slots, self._num_key_value_heads, self._key_dim,
             self._value_dim, self.compute_dtype,
         )
+        return distribution_lib.shard_cache(cache, self.rolling_cache)
 
     # ----------------------------------------------------------------- shapes
 

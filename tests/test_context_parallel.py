@@ -6,13 +6,15 @@ each mesh and without a distribution: its outputs, its gradients and the
 losses of 3 `fit` steps must agree. The model covers a causal window with
 sinks, segment ids and RoPE (the halo exchange, several hops when a shard
 is shorter than the window), full causal self-attention with grouped
-heads, and non-causal cross-attention over a sharded encoder output, with
-padding from an `Embedding(mask_zero=True)`. One process and one model
-keep the compiles few.
+heads (the ring in zig-zag order), and non-causal cross-attention over a
+sharded encoder output (the ring in natural order), with padding from an
+`Embedding(mask_zero=True)`. A layer then decodes with a cache
+whose slots are sharded. One process and one model keep the compiles few.
 """
 
 import json
 import os
+import re
 import pathlib
 import subprocess
 import sys
@@ -23,6 +25,7 @@ import pytest
 
 import keras_mha
 from keras_mha.attention import dispatch
+from keras_mha.attention import ring
 from keras_mha.attention.sharded import ContextPlan
 from keras_mha.attention.spec import AttentionSpec
 
@@ -154,17 +157,105 @@ def _distribution(mesh_name):
 
 
 def _errors(mesh_name):
-    """The errors raised at call time on this mesh, by kind."""
+    """The messages of the errors raised at call time on this mesh."""
     distribution = _distribution(mesh_name)
+    calls = {
+        # 2 tokens more than a multiple of 4: no shard layout.
+        "indivisible": (dict(sliding_window=8), LENGTH + 2, False),
+        # A multiple of 4, not of 8: no zig-zag layout.
+        "zigzag": ({}, LENGTH + 4, True),
+    }
     found = {}
     with distribution.scope():
-        layer = keras_mha.MultiHeadAttention(2, 4, sliding_window=8)
-        x = np.zeros((2, LENGTH + 2, 8), "float32")  # 2 tokens too many
-        try:
-            layer(x, x)
-        except ValueError as error:
-            found["indivisible"] = str(error)
+        for name, (kwargs, length, causal) in calls.items():
+            layer = keras_mha.MultiHeadAttention(2, 4, **kwargs)
+            x = np.zeros((2, length, 8), "float32")
+            try:
+                layer(x, x, use_causal_mask=causal)
+            except ValueError as error:
+                found[name] = str(error)
     return found
+
+
+def _decode(distribution):
+    """A causal prompt with a cache, then 3 one-token steps under `jit`:
+    the outputs, and the cache's layout after the steps."""
+    import contextlib
+
+    import jax
+
+    layer = keras_mha.MultiHeadAttention(
+        4, 8, num_key_value_heads=2, use_sinks=True,
+        rotary_embedding=keras_mha.RotaryEmbedding(), name="decode",
+    )
+    prompt = LENGTH // 4
+    x = np.random.default_rng(3).normal(size=(BATCH, prompt + 3, FEATURES))
+    x = x.astype("float32")
+    layer.build(x.shape, x.shape)
+    rng = np.random.default_rng(4)
+    layer.set_weights([rng.normal(scale=0.2, size=w.shape).astype("float32")
+                       for w in layer.get_weights()])
+    scope = distribution.scope() if distribution else contextlib.nullcontext()
+    with scope:
+        cache = layer.init_cache(BATCH, LENGTH // 2)
+        out, cache = layer(x[:, :prompt], x[:, :prompt], use_causal_mask=True,
+                           cache=cache, cache_update_index=0)
+        outputs = [np.asarray(out)]
+        step = jax.jit(lambda q, c, i: layer(q, q, use_causal_mask=True,
+                                             cache=c, cache_update_index=i))
+        for t in range(prompt, prompt + 3):
+            out, cache = step(x[:, t:t + 1], cache, np.int32(t))
+            outputs.append(np.asarray(out))
+    return np.concatenate(outputs, axis=1), str(cache[0].sharding.spec)
+
+
+HLO_WINDOW = 32  # w; shards of T / P = 64 tokens on 8 devices
+_COLLECTIVE = re.compile(
+    r"= \(?(\w+)\[([\d,]*)\][^=]*? "
+    r"(collective-permute|all-gather|all-to-all|all-reduce|reduce-scatter)"
+    r"(?:-start)?\("
+)
+
+
+def collectives(hlo_text):
+    """`[(op, dtype, shape)]` of the collectives in compiled HLO text."""
+    return [
+        (op, dtype, [int(d) for d in dims.split(",") if d])
+        for dtype, dims, op in _COLLECTIVE.findall(hlo_text)
+    ]
+
+
+def _hlo():
+    """The collectives of a windowed layer's compiled forward on 1x8."""
+    import jax
+
+    distribution = _distribution("1x8")
+    layer = keras_mha.MultiHeadAttention(4, 8, sliding_window=HLO_WINDOW)
+    x = np.zeros((2, 64 * DEVICES, FEATURES), "float32")
+    layer.build(x.shape, x.shape)
+    placed = jax.device_put(
+        x, distribution.get_data_layout(x.shape).backend_layout
+    )
+    with distribution.scope():
+        forward = jax.jit(lambda x: layer(x, x, use_causal_mask=True))
+        text = forward.lower(placed).compile().as_text()
+    return collectives(text)
+
+
+def _docs_example():
+    """The docs' example (docs/scaling.md) on these 8 devices."""
+    import contextlib
+    import io
+
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs/scaling.md"
+    section = page.read_text(encoding="utf-8").split(
+        "## Context parallelism", 1
+    )[1]
+    code = re.search(r"^```python\n(.*?)^```", section, re.S | re.M).group(1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, str(page), "exec"), {"__name__": "__docs__"})
+    return printed.getvalue().strip()
 
 
 def main():
@@ -172,10 +263,14 @@ def main():
 
     assert len(jax.devices()) == DEVICES, jax.devices()
     single = _results(None)
+    single_decode, _ = _decode(None)
     report = {}
     for mesh_name in MESHES:
         outputs, gradients, fit = _results(_distribution(mesh_name))
+        decoded, cache_layout = _decode(_distribution(mesh_name))
         report[mesh_name] = {
+            "decode": _diff(decoded, single_decode),
+            "cache_layout": cache_layout,
             "outputs": {
                 name: _diff(outputs[name], single[0][name])
                 for name in outputs
@@ -193,6 +288,8 @@ def main():
             ),
         }
     report["errors"] = _errors("2x4")
+    report["hlo"] = _hlo()
+    report["docs"] = _docs_example()
     print("REPORT " + json.dumps(report))
 
 
@@ -230,6 +327,11 @@ class TestSameAsOneDevice:
         worst = max(gradients, key=gradients.get)
         assert gradients[worst] < TOLERANCE, (worst, gradients[worst])
 
+    def test_decode_with_a_sharded_cache(self, report, mesh):
+        assert report[mesh]["decode"] < TOLERANCE
+        # The cache's slots stayed sharded over the context axis.
+        assert "'context'" in report[mesh]["cache_layout"]
+
     @pytest.mark.training
     def test_fit(self, report, mesh):
         losses, single = report[mesh]["losses"]
@@ -241,6 +343,27 @@ def test_indivisible_length(report):
     message = report["errors"]["indivisible"]
     assert "multiple of the context axis size 4" in message
     assert f"T={LENGTH + 2}" in message
+
+
+def test_zigzag_length(report):
+    message = report["errors"]["zigzag"]
+    assert "multiple of twice the context axis size, 8" in message
+    assert f"T={LENGTH + 4}" in message
+
+
+def test_windowed_forward_sends_only_the_halo(report):
+    """The compiled program of a windowed forward: collective-permutes of
+    `w - 1` rows (keys, values and their validity), no gather of the
+    sequence."""
+    found = report["hlo"]
+    assert found, "no collective at all: the halo was not exchanged"
+    assert {op for op, _, _ in found} == {"collective-permute"}, found
+    rows = {shape[1] for _, _, shape in found}
+    assert rows == {HLO_WINDOW - 1}, found  # O(w), not T / P = 64
+
+
+def test_docs_example_on_8_devices(report):
+    assert report["docs"] == f"(2, {64 * DEVICES}, 1000)"
 
 
 def _mesh(shape=(2, 4), axes=("batch", "context")):
@@ -295,11 +418,12 @@ class TestLayout:
         [
             (dict(window=(63, 0), causal=True), dispatch.HALO),
             (dict(window=(40, 20)), dispatch.HALO),
-            (dict(causal=True), None),
+            (dict(causal=True), dispatch.RING),
+            (dict(), dispatch.RING),
             (dict(window=(63, 0), return_weights=True), None),
             (dict(window=(63, 0), dropout=0.1), None),
         ],
-        ids=["causal_window", "two_sided", "full_causal", "weights",
+        ids=["causal_window", "two_sided", "full_causal", "full", "weights",
              "dropout"],
     )
     def test_routes(self, changes, route):
@@ -308,8 +432,27 @@ class TestLayout:
         spec = AttentionSpec(scale=1.0, sharding=plan, **changes)
         shapes = dispatch.Shapes(64, 64, 8, 8)
         assert dispatch.context_route(spec, shapes) == route
+        # Cross-attention with a window: the ring, the masks at positions.
+        if route is not None:
+            assert dispatch.context_route(
+                spec, dispatch.Shapes(64, 32, 8, 8)
+            ) == dispatch.RING
         assert dispatch.context_route(spec.replace(sharding=None), shapes) \
             is None
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+def test_zigzag_moves(size):
+    """Device `d` ends with chunks `d` and `2P - 1 - d`, and back."""
+    held = {d: [2 * d, 2 * d + 1] for d in range(size)}  # natural order
+    zigzag = {d: [None, None] for d in range(size)}
+    for (half, slot), pairs in ring.zigzag_moves(size).items():
+        assert len({a for a, _ in pairs}) == len({b for _, b in pairs}) \
+            == len(pairs)  # one ppermute: a permutation
+        for source, target in pairs:
+            assert zigzag[target][slot] is None
+            zigzag[target][slot] = held[source][half]
+    assert zigzag == {d: [d, 2 * size - 1 - d] for d in range(size)}
 
 
 if __name__ == "__main__":

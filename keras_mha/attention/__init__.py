@@ -19,7 +19,9 @@ masks from the spec with the position rule of `masks.py`:
   the eager decode step's (torch's fused kernel over the slots; on
   TensorFlow and JAX the step compiled as one function);
 - `sharded.py`: the routes of a sequence sharded over devices
-  (`keras_mha.ContextParallel`);
+  (`keras_mha.ContextParallel`): the halo exchange for windows, and
+  `ring.py`, ring attention, with `partials.py`, the merge of attention
+  over parts of the keys;
 - `tuning.py`: the numbers the rule and the algorithms read, per backend
   and platform.
 
@@ -55,11 +57,15 @@ def attend(query, key, value, spec):
     """
     shapes = dispatch.Shapes.of(query, key, value)
     if spec.sharding is not None:
-        sharded.check_lengths(spec.sharding, shapes.query_length,
-                              shapes.key_length)
         route = dispatch.context_route(spec, shapes)
+        zigzag = route == dispatch.RING and sharded.uses_zigzag(spec, shapes)
+        if route is not None:
+            sharded.check_lengths(spec.sharding, shapes.query_length,
+                                  shapes.key_length, zigzag)
         if route == dispatch.HALO:
             return sharded.halo_attention(query, key, value, spec, attend), None
+        if route == dispatch.RING:
+            return sharded.ring_route(query, key, value, spec, zigzag), None
         spec = spec.replace(sharding=None)
     path = dispatch.choose_path(
         spec, shapes, platform=tuning.device_platform(query),
@@ -81,7 +87,10 @@ def attend(query, key, value, spec):
 def attend_cached(query, key, value, spec, cache, index, rolling):
     """Attention of a decoding call, and the cache after its write.
 
-    Three routes, all with the same numbers (`dispatch.cache_route`):
+    Three routes, all with the same numbers (`dispatch.cache_route`);
+    under `keras_mha.ContextParallel` a full cache whose slots are sharded
+    takes `in_place` as `sharded.cached_decode` (each device reads its own
+    slots):
 
     - `"prompt"`: a Python index 0 (an empty cache): the tokens attend to
       themselves on any path (`banded` for a window, the causal kernels
@@ -107,6 +116,15 @@ def attend_cached(query, key, value, spec, cache, index, rolling):
         old slots, then the new tokens) when `spec.return_weights`.
     """
     route = dispatch.cache_route(spec, query.shape[1], index, rolling)
+    if route == dispatch.IN_PLACE and sharded.shards_cache(
+        spec.sharding, cache, rolling
+    ):
+        output, new_cache = sharded.cached_decode(
+            query, key, value, spec, cache, index
+        )
+        return output, None, new_cache
+    if route != dispatch.PROMPT:  # the rest reads the whole cache
+        spec = spec.replace(sharding=None)
     if route == dispatch.PROMPT:
         output, weights = attend(query, key, value, spec)
         new_cache = cache_lib.write(cache, key, value, spec.key_mask, 0,

@@ -40,8 +40,10 @@ Under `keras_mha.ContextParallel` (`spec.sharding`), `context_route`
 first picks how the sharded tokens are attended: `halo` for a window over
 keys at their own positions (self-attention lengths, no dense mask or
 bias, no weights or dropout), each shard then taking the rule above for
-its own block; anything else runs on the whole sequence (`None`: XLA
-gathers what the call needs).
+its own block; `ring` for the other calls without a dense mask, bias,
+cache, weights or dropout (causal self-attention in zig-zag order);
+anything else runs on the whole sequence (`None`: XLA gathers what the
+call needs).
 
 A cache (decoding) takes one of three routes (`cache_route`): `prompt`,
 the tokens of a call at the Python index 0 attending to themselves on the
@@ -70,7 +72,8 @@ FUSED_WINDOW = "fused_window"
 PATHS = (FUSED, EXPLICIT, BANDED, TRIANGULAR, BLOCKED, FUSED_WINDOW)
 
 HALO = "halo"
-CONTEXT_ROUTES = (HALO,)
+RING = "ring"
+CONTEXT_ROUTES = (HALO, RING)
 
 PROMPT = "prompt"
 IN_PLACE = "in_place"
@@ -302,15 +305,14 @@ def context_route(spec, shapes):
     `CONTEXT_ROUTES`, or `None` (the whole sequence, as without one)."""
     if spec.sharding is None:
         return None
-    local = (
-        shapes.query_length is not None
-        and shapes.query_length == shapes.key_length
-        and spec.keys_at_own_positions
+    if not (
+        spec.keys_at_own_positions
         and spec.attention_mask is None
         and spec.bias is None
         and not spec.return_weights
         and not spec.dropout
-    )
-    if local and spec.window is not None:
+    ):
+        return None
+    if spec.window is not None and shapes.query_length == shapes.key_length:
         return HALO
-    return None
+    return RING

@@ -16,6 +16,10 @@ sharded by a `layout_map`) stays with XLA's automatic partitioning.
   `T` is; the backward pass sends the halo's gradients back the same way
   (the transpose of `ppermute` is the reverse `ppermute`).
 
+- `ring`: any other call without a dense mask or bias passes key/value
+  blocks around the devices with an online softmax (`ring.py`); causal
+  self-attention in zig-zag order, so every device does the same work.
+
 Positions stay global (DESIGN.md, "Context parallelism"): inside a shard
 the queries sit at `left + t` and the received keys from 0, which keeps
 every distance `p - j` of the global call; keys the sequence does not have
@@ -40,7 +44,6 @@ _TOKEN_FIELDS = (
     ("key_segment_ids", "key"),
 )
 
-HALO = "halo"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -60,15 +63,28 @@ class ContextPlan:
     size: int
 
 
-def check_lengths(plan, query_length, key_length):
-    """A `ValueError` unless `P` divides `T` and `S`."""
+def check_lengths(plan, query_length, key_length, zigzag=False):
+    """A `ValueError` unless `P` divides `T` and `S` (`2P` in zig-zag
+    order)."""
+    shards = 2 * plan.size if zigzag else plan.size
+    what = (
+        f"twice the context axis size, {shards}, for causal attention in "
+        "zig-zag order" if zigzag else
+        f"the context axis size {shards}"
+    )
     for name, length in (("T", query_length), ("S", key_length)):
-        if length is None or length % plan.size:
+        if length is None or length % shards:
             raise ValueError(
                 "Under `ContextParallel` the sequence length must be a "
-                f"multiple of the context axis size {plan.size} "
-                f"(`{plan.context_axis}`). Received: {name}={length}"
+                f"multiple of {what} (`{plan.context_axis}`). "
+                f"Received: {name}={length}"
             )
+
+
+def uses_zigzag(spec, shapes):
+    """Whether the ring takes the tokens in zig-zag order: causal
+    self-attention (`T = S`)."""
+    return spec.causal and shapes.query_length == shapes.key_length
 
 
 def _token_spec(plan):
@@ -208,3 +224,141 @@ def halo_attention(query, key, value, spec, local_attend):
         plan, local, (query, key, value, *values),
         (token, token, token, *specs), token,
     )
+
+
+def ring_route(query, key, value, spec, zigzag):
+    """Ring attention over the context axis (see `ring.py`).
+
+    Args:
+        query: `(B, T, N, H)`, sharded along axis 1 over the context axis.
+        key: `(B, S, K, H)`, likewise.
+        value: `(B, S, K, V)`.
+        spec: the call's spec, with its `sharding` plan.
+        zigzag: whether to lay the tokens out in zig-zag order.
+
+    Returns:
+        `(B, T, N, V)`, sharded like the query.
+    """
+    import jax
+
+    from keras_mha.attention import ring
+
+    plan = spec.sharding
+    names, values, specs = _split_spec(spec, plan)
+
+    def local(q, k, v, *fields):
+        fields = dict(zip(names, fields))
+        local_spec = spec.replace(
+            sharding=plan, sinks=fields.get("sinks"),
+            **{name: None for name, _ in _TOKEN_FIELDS},
+        )
+        index = jax.lax.axis_index(plan.context_axis)
+        return ring.ring_attention(q, k, v, fields, local_spec, index, zigzag)
+
+    token = _token_spec(plan)
+    return _shard_map(
+        plan, local, (query, key, value, *values),
+        (token, token, token, *specs), token,
+    )
+
+
+def shards_cache(plan, cache, rolling):
+    """Whether a decoding step reads `cache` with its slots sharded over
+    the context axis: a full (not rolling) cache whose slots `P`
+    divides."""
+    num_slots = cache[0].shape[1]
+    return (
+        plan is not None and not rolling and num_slots is not None
+        and num_slots % plan.size == 0
+    )
+
+
+def cached_decode(query, key, value, spec, cache, index):
+    """A decoding step over a cache whose slots are sharded.
+
+    Each device writes the new tokens into the slots it holds, attends to
+    them, and the devices' parts `(out, lse)` merge by their log-sum-exps
+    across the context axis (flash-decoding over devices): only `(B, T, N,
+    V + 1)` numbers per device cross the axis, whatever `L` is.
+
+    Args:
+        query: `(B, T, N, H)`, replicated over the context axis.
+        key: the new tokens' keys `(B, T, K, H)`.
+        value: `(B, T, K, V)`.
+        spec: the call's spec: causal, `key_mask` marks the new real
+            tokens, and its `sharding` plan.
+        cache: `(keys, values, valid)`, `(B, L, ...)` sharded along axis 1.
+        index: the position of the first new token (int or scalar tensor).
+
+    Returns:
+        `(output, new_cache)`: `(B, T, N, V)`, and the cache, sharded as
+        it came.
+    """
+    import jax
+    from jax.sharding import PartitionSpec
+
+    from keras_mha.attention import partials
+
+    plan = spec.sharding
+    length = query.shape[1]
+    batch_only = PartitionSpec(plan.batch_axis)
+    slots_spec = _token_spec(plan)
+    valid = spec.key_mask
+    if valid is None:
+        valid = ops.ones(ops.shape(key)[:2], "bool")
+    sinks = None if spec.sinks is None else ops.convert_to_tensor(spec.sinks)
+    query_mask = spec.query_mask
+    local_spec = spec.replace(sharding=None, key_mask=None, query_mask=None,
+                              segment_ids=None, key_segment_ids=None,
+                              sinks=None)
+
+    def local(q, k, v, new_valid, keys, values, written, start, *extra):
+        extra = list(extra)
+        heads_sinks = extra.pop(0) if sinks is not None else None
+        rows = extra.pop(0) if query_mask is not None else None
+        device = jax.lax.axis_index(plan.context_axis)
+        num_slots = keys.shape[1]
+        start = ops.cast(start, "int32")
+        positions = device * num_slots + ops.arange(num_slots, dtype="int32")
+        token = positions - start  # the new token each slot takes, if any
+        lands = ops.logical_and(token >= 0, token < length)  # (L/P,)
+        token = ops.clip(token, 0, length - 1)
+        new_parts = []
+        for part, run in ((keys, k), (values, v), (written, new_valid)):
+            gathered = ops.cast(ops.take(run, token, axis=1), part.dtype)
+            where = ops.reshape(lands, (1, num_slots) + (1,) * (part.ndim - 2))
+            new_parts.append(ops.where(where, gathered, part))
+        keys, values, written = new_parts
+        query_positions = start + ops.arange(length, dtype="int32")
+        mask = partials.block_mask(
+            local_spec, query_positions, positions, (rows, None),
+            (written, None),
+        )
+        out, lse = partials.part(q, keys, values, local_spec,
+                                 query_positions, positions, mask)
+        # The devices' parts merged by their log-sum-exps.
+        top = jax.lax.stop_gradient(jax.lax.pmax(lse, plan.context_axis))
+        scale = ops.exp(lse - top)
+        total = jax.lax.psum(scale, plan.context_axis)
+        out = jax.lax.psum(out * scale[..., None], plan.context_axis)
+        out = out / total[..., None]
+        lse = top + ops.log(total)
+        out = partials.finish((out, lse), heads_sinks, q.dtype)
+        return out, keys, values, written
+
+    extra, extra_specs = [], []
+    if sinks is not None:
+        extra.append(sinks)
+        extra_specs.append(PartitionSpec())
+    if query_mask is not None:
+        extra.append(query_mask)
+        extra_specs.append(batch_only)
+    arguments = (query, key, value, valid, *cache,
+                 ops.convert_to_tensor(index, "int32"), *extra)
+    in_specs = (batch_only, batch_only, batch_only, batch_only, slots_spec,
+                slots_spec, slots_spec, PartitionSpec(), *extra_specs)
+    output, *new_cache = _shard_map(
+        plan, local, arguments, in_specs,
+        (batch_only, slots_spec, slots_spec, slots_spec),
+    )
+    return output, tuple(new_cache)
