@@ -206,7 +206,8 @@ def _decode(distribution):
         for t in range(prompt, prompt + 3):
             out, cache = step(x[:, t:t + 1], cache, np.int32(t))
             outputs.append(np.asarray(out))
-    return np.concatenate(outputs, axis=1), str(cache[0].sharding.spec)
+    layout = getattr(cache[0].sharding, "spec", None)
+    return np.concatenate(outputs, axis=1), str(layout)
 
 
 HLO_WINDOW = 32  # w; shards of T / P = 64 tokens on 8 devices
@@ -349,6 +350,43 @@ def test_zigzag_length(report):
     message = report["errors"]["zigzag"]
     assert "multiple of twice the context axis size, 8" in message
     assert f"T={LENGTH + 4}" in message
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_processes():
+    """Two processes on localhost (`keras.distribution.initialize`, JAX's
+    CPU collectives), the context axis across both: the outputs and
+    gradients of one device (`tests/context_two_processes.py`)."""
+    if keras.backend.backend() != "jax":
+        pytest.skip("Keras's distribution API is JAX-only")
+    env = dict(os.environ)
+    env.update(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    script = pathlib.Path(__file__).resolve().parent / "context_two_processes.py"
+    port = str(_free_port())
+    processes = [
+        subprocess.Popen([sys.executable, str(script), port, str(rank)],
+                         env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)
+    ]
+    outputs = [process.communicate(timeout=600)[0] for process in processes]
+    reports = []
+    for process, output in zip(processes, outputs):
+        lines = [line for line in output.splitlines()
+                 if line.startswith("REPORT ")]
+        assert process.returncode == 0 and lines, output[-4000:]
+        reports.append(json.loads(lines[-1][len("REPORT "):]))
+    for report in reports:
+        assert report["devices"] == 4
+        assert report["difference"] < TOLERANCE, reports
 
 
 def test_windowed_forward_sends_only_the_halo(report):

@@ -108,53 +108,58 @@ def ring_attention(query, key, value, fields, spec, index, zigzag):
     num_heads, value_dim = query.shape[2], value.shape[3]
     chunk = t_local // 2
 
-    def visible(q_rows, k_rows, source):
+    def visible(held, q_rows, k_rows, source):
         """The part of query rows `q_rows` over key rows `k_rows` of the
-        keys from device `source` (slices of the local layout)."""
+        keys `held` from device `source` (slices of the local layout)."""
+        keys, values, tokens = held
         key_positions = _positions(source, s_local, size, zigzag)[k_rows]
         mask = partials.block_mask(
             spec, query_positions[q_rows], key_positions,
             [None if x is None else x[:, q_rows] for x in query_tokens],
-            [None if x is None else x[:, k_rows] for x in held[3]],
+            [None if x is None else x[:, k_rows] for x in tokens],
         )
         return partials.part(
-            query[:, q_rows], held[0][:, k_rows], held[1][:, k_rows], spec,
+            query[:, q_rows], keys[:, k_rows], values[:, k_rows], spec,
             query_positions[q_rows], key_positions, mask,
         )
 
     every = slice(None)
-    held = [key, value, None, key_tokens]
-    total = None
-    for step in range(size):
-        if step:
-            pairs = [(i, (i + 1) % size) for i in range(size)]
-            held[0], held[1] = (jax.lax.ppermute(x, axis, pairs)
-                                for x in held[:2])
-            held[3] = [
-                None if x is None else _ppermute_any(x, axis, pairs)
-                for x in held[3]
-            ]
-        source = (index - step) % size
-        if not zigzag or step == 0:
-            current = visible(every, every, source)
-        else:
-            first, second = slice(0, chunk), slice(chunk, None)
+    first, second = slice(0, chunk), slice(chunk, None)
+    ring_pairs = [(i, (i + 1) % size) for i in range(size)]
 
-            def earlier(_):
+    def step(carry, step_index):
+        held, total = carry
+        held = jax.tree_util.tree_map(
+            lambda x: _ppermute_any(x, axis, ring_pairs), held
+        )
+        source = (index - step_index) % size
+        if not zigzag:
+            current = visible(held, every, every, source)
+        else:
+            def earlier(held):
                 # The received chunk `source < index` precedes both query
                 # chunks; its other chunk follows both.
-                return visible(every, first, source)
+                return visible(held, every, first, source)
 
-            def later(_):
+            def later(held):
                 # Both received chunks lie between this device's two:
                 # only the second query chunk sees them.
                 empty = partials.empty(batch, chunk, num_heads, value_dim)
-                out, lse = visible(second, every, source)
+                out, lse = visible(held, second, every, source)
                 return (ops.concatenate([empty[0], out], axis=1),
                         ops.concatenate([empty[1], lse], axis=1))
 
-            current = jax.lax.cond(source < index, earlier, later, None)
-        total = current if total is None else partials.merge(total, current)
+            current = jax.lax.cond(source < index, earlier, later, held)
+        return (held, partials.merge(total, current)), None
+
+    # Step 0: the device's own keys; then `P - 1` steps around the ring,
+    # one compiled body whatever `P` is.
+    held = (key, value, key_tokens)
+    total = visible(held, every, every, index)
+    if size > 1:
+        (_, total), _ = jax.lax.scan(
+            step, (held, total), ops.arange(1, size, dtype="int32")
+        )
     out = partials.finish(total, spec.sinks, query.dtype)
     if zigzag:
         out = _move(out, moves, axis, True)
