@@ -34,6 +34,9 @@ from typing import Any
 
 from keras import ops
 
+import keras_mha.attention.partials as partials
+import keras_mha.attention.ring as ring
+
 # Spec fields that hold one value per token: (field, side) with side
 # "query" (split like the queries) or "key" (split like the keys, and
 # exchanged with them).
@@ -241,8 +244,6 @@ def ring_route(query, key, value, spec, zigzag):
     """
     import jax
 
-    from keras_mha.attention import ring
-
     plan = spec.sharding
     names, values, specs = _split_spec(spec, plan)
 
@@ -296,8 +297,6 @@ def cached_decode(query, key, value, spec, cache, index):
     """
     import jax
     from jax.sharding import PartitionSpec
-
-    from keras_mha.attention import partials
 
     plan = spec.sharding
     length = query.shape[1]
