@@ -14,11 +14,11 @@ program for one device.
   bytes one device sends per layer (the shapes of the program's
   collective-permutes), forward and forward+backward.
 - Full causal, `T = P × 4,096`: the keys and values one device holds, its
-  peak memory, and the work of each device: the FLOPs of the compiled
-  program (`cost_analysis`, the same program on every device) and the
-  query-key pairs the causal mask lets each device's queries see, in
-  zig-zag order and, for comparison, in natural order (max / min over
-  the devices).
+  peak memory, and the balance of the work: every device runs the same
+  program on blocks of the same sizes (a `(T/P)²` block of scores, then
+  `P − 1` ring steps of `(T/P)²/2`), and the query-key pairs the causal
+  mask lets each device's queries see are counted, in zig-zag order and,
+  for comparison, in natural order (max / min over the devices).
 
 Prints a Markdown table per case.
 """
@@ -126,14 +126,10 @@ def measure(sizes):
         rows["window"].append(row)
         length = size * CAUSAL_TOKENS
         compiled = _compile(size, length, {}, True, False)
-        cost = compiled.cost_analysis()
-        if isinstance(cost, list):
-            cost = cost[0]
         rows["causal"].append({
             "P": size, "T": length,
             "kv_bytes": 2 * BATCH * (length // size) * HEADS * HEAD_DIM * 4,
             "memory": _memory(compiled),
-            "flops": cost.get("flops"),
             "zigzag_ratio": _pairs(size, length // (2 * size), True),
             "natural_ratio": _pairs(size, length // (2 * size), False),
         })
@@ -161,16 +157,14 @@ def _table(rows):
         )
     lines += [
         "", f"Full causal, T = P × {CAUSAL_TOKENS:,} (per device)", "",
-        "| P | T | keys + values | peak memory | FLOPs | visible pairs, "
+        "| P | T | keys + values | peak memory | visible pairs, "
         "max / min over devices: zig-zag | natural order |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|",
     ]
     for row in rows["causal"]:
-        flops = row["flops"]
         lines.append(
             f"| {row['P']} | {row['T']:,} | {row['kv_bytes'] / MIB:.1f} MiB | "
             f"{row['memory'] / MIB:.0f} MiB | "
-            f"{'n/a' if flops is None else f'{flops / 1e9:.1f} G'} | "
             f"{row['zigzag_ratio']:.2f} | {row['natural_ratio']:.2f} |"
         )
     return "\n".join(lines)

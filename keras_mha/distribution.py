@@ -91,8 +91,12 @@ class ContextParallel(keras.distribution.ModelParallel):
       around a ring with an online softmax; causal self-attention is laid
       out in zig-zag order inside the layer, so every device does the same
       work (the caller still sees tokens in their natural order);
-    - calls neither can serve (returned weights, dropout, a dense mask or
-      bias) run on the whole sequence, which XLA gathers.
+    - a decoding cache from `init_cache` under the distribution has its
+      slots sharded over the context axis (a full cache that `P`
+      divides), and each step merges the devices' partial results by
+      their log-sum-exps;
+    - calls none of these serve (returned weights, dropout, a dense mask
+      or bias) run on the whole sequence, which XLA gathers.
 
     Positions stay global: masks, windows, rotary angles and ALiBi use each
     token's absolute position, whichever device holds it. Outputs and
