@@ -520,9 +520,7 @@ class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
             `valid` `(B, L)` boolean, true in the slots where a real
             (unpadded) token was written. `L` is `max_length`, or
             `left + 1` (`w`) when rolling. A call returns a cache of the
-            same structure. Under `keras_mha.ContextParallel` a full
-            cache has its slots sharded over the context axis, and each
-            decoding step merges the devices' parts by their log-sum-exps.
+            same structure (under `keras_mha.ContextParallel`, sharded).
 
         By default a call never deletes, donates or writes into the cache
         it is given: it returns a new one, as Keras and keras-hub do. With
@@ -536,11 +534,10 @@ class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
         checks.positive_int("max_length", max_length)
         checks.boolean("in_place", in_place)
         slots = self._rolling_slots if self.rolling_cache else max_length
-        cache = cache_lib.zeros(
+        return distribution_lib.shard_cache(cache_lib.zeros(
             batch_size, slots, self._num_key_value_heads, self._key_dim,
             self._value_dim, self.compute_dtype, in_place=in_place,
-        )
-        return distribution_lib.shard_cache(cache, self.rolling_cache)
+        ), self.rolling_cache)
 
     # ----------------------------------------------------------------- shapes
 
