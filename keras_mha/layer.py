@@ -514,13 +514,12 @@ class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
                 owns the cache.
 
         Returns:
-            A tuple `(keys, values, valid)` (see
-            `keras_mha.attention.cache`): `keys` `(B, L, K, H)` and
-            `values` `(B, L, K, V)` in the layer's compute dtype, and
-            `valid` `(B, L)` boolean, true in the slots where a real
-            (unpadded) token was written. `L` is `max_length`, or
-            `left + 1` (`w`) when rolling. A call returns a cache of the
-            same structure (under `keras_mha.ContextParallel`, sharded).
+            `(keys, values, valid)` (see `keras_mha.attention.cache`):
+            `keys` `(B, L, K, H)` and `values` `(B, L, K, V)` in the
+            layer's compute dtype, `valid` `(B, L)` boolean, true in the
+            slots where a real (unpadded) token was written. `L` is
+            `max_length`, or `left + 1` (`w`) when rolling. A call returns
+            a cache of the same structure (sharded under `ContextParallel`).
 
         By default a call never deletes, donates or writes into the cache
         it is given: it returns a new one, as Keras and keras-hub do. With
