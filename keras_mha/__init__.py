@@ -22,6 +22,7 @@ _EXPORTS = {
     "ContextParallel": "keras_mha.distribution",
     "GroupedQueryAttention": "keras_mha.grouped",
     "MultiHeadAttention": "keras_mha.layer",
+    "MultiHeadLatentAttention": "keras_mha.latent",
     "RotaryEmbedding": "keras_mha.rotary",
     "from_keras": "keras_mha.convert",
     "from_torch": "keras_mha.convert",
@@ -37,6 +38,7 @@ if typing.TYPE_CHECKING:  # for static readers: type checkers, the API docs
     from keras_mha.convert import from_torch
     from keras_mha.distribution import layout_map
     from keras_mha.grouped import GroupedQueryAttention
+    from keras_mha.latent import MultiHeadLatentAttention
     from keras_mha.layer import MultiHeadAttention
     from keras_mha.rotary import RotaryEmbedding
 
