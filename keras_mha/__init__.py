@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it.
 _EXPORTS = {
     "CachedMultiHeadAttention": "keras_mha.cached",
+    "ContextParallel": "keras_mha.distribution",
     "GroupedQueryAttention": "keras_mha.grouped",
     "MultiHeadAttention": "keras_mha.layer",
     "MultiHeadLatentAttention": "keras_mha.latent",
@@ -33,6 +34,7 @@ __all__ = sorted(_EXPORTS)
 if typing.TYPE_CHECKING:  # for static readers: type checkers, the API docs
     from keras_mha.cached import CachedMultiHeadAttention
     from keras_mha.convert import from_keras
+    from keras_mha.distribution import ContextParallel
     from keras_mha.convert import from_torch
     from keras_mha.distribution import layout_map
     from keras_mha.grouped import GroupedQueryAttention

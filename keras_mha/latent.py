@@ -407,7 +407,7 @@ class MultiHeadLatentAttention(keras.layers.Layer):
     def _rolling_slots(self):
         return spec_lib.window_sides(self._sliding_window, True)[0] + 1
 
-    def init_cache(self, batch_size, max_length):
+    def init_cache(self, batch_size, max_length, in_place=False):
         """A zero latent cache for decoding up to `max_length` tokens.
 
         Args:
@@ -415,20 +415,26 @@ class MultiHeadLatentAttention(keras.layers.Layer):
             max_length: the longest sequence to decode. With a
                 `sliding_window` the cache is a rolling buffer of `w` slots
                 whatever `max_length` is.
+            in_place: whether calls may write into this cache's own
+                tensors; `False` (the default): the caller owns the cache.
 
         Returns:
             `(latents, rope_keys, valid)`: `(B, L, kv_lora_rank)` and `(B,
             L, qk_rope_head_dim)` in the compute dtype (the normalized
             latents and the rotated shared keys), and `valid` `(B, L)`
             boolean, true where a real token was written. `L` is
-            `max_length`, or `w` when rolling. Written as
-            `MultiHeadAttention.init_cache`'s cache is.
+            `max_length`, or `w` when rolling. Owned and written as
+            `MultiHeadAttention.init_cache`'s cache is: by default a call
+            returns a new cache; with `in_place=True` an eager call writes
+            the new slots into the cache's own tensors.
         """
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_length", max_length)
+        checks.boolean("in_place", in_place)
         slots = self._rolling_slots if self.rolling_cache else max_length
         return latent_lib.zeros(batch_size, slots, self._kv_lora_rank,
-                                self._qk_rope_head_dim, self.compute_dtype)
+                                self._qk_rope_head_dim, self.compute_dtype,
+                                in_place)
 
     # ----------------------------------------------------------------- shapes
 

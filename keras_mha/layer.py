@@ -11,6 +11,7 @@ from keras import ops
 
 from keras_mha import checks
 from keras_mha import describe as describe_lib
+from keras_mha import distribution as distribution_lib
 from keras_mha import heads as heads_lib
 from keras_mha import projections
 from keras_mha.attention import attend
@@ -416,8 +417,7 @@ class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
             _bool(layout.token_mask(value_mask)),
             _bool(layout.token_mask(key_mask)),
         )  # (B', S)
-        # Padding zeroed, norms, RoPE, temperature (`heads.py`). New keys
-        # sit where the queries do when decoding, else at `j`.
+        # `heads.py`; new keys sit where the queries do when decoding.
         start = 0 if cache is None else cache_update_index
         q = heads_lib.queries(self, q, start, query_tokens)
         k = heads_lib.keys(self, k, start, key_tokens)
@@ -532,13 +532,13 @@ class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
                 owns the cache.
 
         Returns:
-            A tuple `(keys, values, valid)` (see
-            `keras_mha.attention.cache`): `keys` `(B, L, K, H)` and
-            `values` `(B, L, K, V)` in the layer's compute dtype, and
-            `valid` `(B, L)` boolean, true in the slots where a real
-            (unpadded) token was written. `L` is `max_length`, or when
-            rolling `left + 1` (`w`) or `C`, the fewer. A call returns a
-            cache of the same structure.
+            `(keys, values, valid)` (see `keras_mha.attention.cache`):
+            `keys` `(B, L, K, H)` and `values` `(B, L, K, V)` in the
+            layer's compute dtype, `valid` `(B, L)` boolean, true in the
+            slots where a real (unpadded) token was written. `L` is
+            `max_length`, or when rolling `left + 1` (`w`) or `C`, the
+            fewer. A call returns a cache of the same structure (sharded
+            under `ContextParallel`).
 
         By default a call never deletes, donates or writes into the cache
         it is given: it returns a new one, as Keras and keras-hub do. With
@@ -552,10 +552,10 @@ class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
         checks.positive_int("max_length", max_length)
         checks.boolean("in_place", in_place)
         slots = self._rolling_slots if self.rolling_cache else max_length
-        return cache_lib.zeros(
+        return distribution_lib.shard_cache(cache_lib.zeros(
             batch_size, slots, self._num_key_value_heads, self._key_dim,
             self._value_dim, self.compute_dtype, in_place=in_place,
-        )
+        ), self.rolling_cache)
 
     # ----------------------------------------------------------------- shapes
 

@@ -180,12 +180,12 @@ class TestReference:
                                        atol=1e-3, rtol=1e-3)
 
 
-def _decode(layer, x, prompt, how, mask=None, jit=False):
+def _decode(layer, x, prompt, how, mask=None, jit=False, in_place=False):
     """The prompt in one call, then one token a call, with `how` forced
     (`None`: the rule); the outputs concatenated. `jit`: on JAX the steps
     run under `jax.jit` with a tensor index (op by op, JAX would compile
     every operation of the step for its shapes)."""
-    cache = layer.init_cache(BATCH, LENGTH)
+    cache = layer.init_cache(BATCH, LENGTH, in_place=in_place)
     mask = np.ones((BATCH, LENGTH), bool) if mask is None else mask
     forced = (latent_lib.force_computation(how) if how
               else _nothing())
@@ -250,6 +250,22 @@ class TestDecoding:
         out, _ = _decode(layer, x, 4, "absorbed", mask)
         np.testing.assert_allclose(out[mask], expected[mask], atol=ATOL,
                                    rtol=ATOL)
+
+    @pytest.mark.parametrize("in_place", [False, True])
+    def test_who_owns_the_cache(self, in_place):
+        """By default a step leaves the cache it is given as it was; an
+        in-place cache's steps give the same outputs."""
+        layer = make_latent()
+        x = inputs()
+        expected, _ = reference(layer, x, use_causal_mask=True)
+        out, _ = _decode(layer, x, 4, None, in_place=in_place)
+        np.testing.assert_allclose(out, expected, atol=ATOL, rtol=ATOL)
+        cache = layer.init_cache(BATCH, LENGTH, in_place=in_place)
+        _, new = layer(x[:, :1], x[:, :1], use_causal_mask=True,
+                       cache=cache, cache_update_index=0)
+        assert to_numpy(new[2])[:, 0].all()
+        if not in_place:
+            assert not to_numpy(cache[2]).any()
 
     def test_the_rule(self):
         layer = make_latent(sliding_window=3)

@@ -253,6 +253,7 @@ def test_the_package_loads_its_names_on_first_use():
     assert found["version"] == "0.1.0"
     assert found["public"] == {
         "CachedMultiHeadAttention": "keras_mha.cached",
+        "ContextParallel": "keras_mha.distribution",
         "GroupedQueryAttention": "keras_mha.grouped",
         "MultiHeadAttention": "keras_mha.layer",
         "MultiHeadLatentAttention": "keras_mha.latent",

@@ -91,13 +91,17 @@ def computation(spec, query_length, cache=False, index=None, rolling=False,
     return ABSORBED if route == dispatch.IN_PLACE else EXPANDED
 
 
-def zeros(batch_size, num_slots, kv_lora_rank, rope_dim, dtype):
-    """An empty latent cache: `(latents, rope_keys, valid)`."""
-    return (
+def zeros(batch_size, num_slots, kv_lora_rank, rope_dim, dtype,
+          in_place=False):
+    """An empty latent cache: `(latents, rope_keys, valid)`; with
+    `in_place`, one the layer may update in place
+    (`cache.mark_in_place`)."""
+    cache = (
         ops.zeros((batch_size, num_slots, kv_lora_rank), dtype),
         ops.zeros((batch_size, num_slots, rope_dim), dtype),
         ops.zeros((batch_size, num_slots), "bool"),
     )
+    return cache_lib.mark_in_place(cache) if in_place else cache
 
 
 def expand(up_projected, rope_keys, nope_dim):
