@@ -664,7 +664,7 @@ def allowed_pairs(t_len, s_len, window, causal):
     """Sum over queries of the number of keys the mask allows (no cache).
 
     Query `t` may see keys `max(0, t - w + 1) .. min(S - 1, t + w - 1)`,
-    the upper end `t` when causal (see DESIGN.md, "Masks").
+    the upper end `t` when causal (see docs/design.md, "Masks are positions compared").
     """
     t = np.arange(t_len, dtype=np.int64)
     low = np.zeros_like(t)

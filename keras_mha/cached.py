@@ -67,7 +67,7 @@ class CachedMultiHeadAttention(MultiHeadAttention):
       both.
     - as in keras-hub, the Keras masks of the inputs are not read: padding
       goes into `attention_mask` (its `TransformerDecoder` merges them).
-    - a float `attention_mask` means nonzero = may attend (DESIGN.md);
+    - a float `attention_mask` means nonzero = may attend (docs/design.md);
       Keras's explicit path keeps values above 0.5.
     - an out-of-range `cache_update_index` is a `ValueError` in every eager
       call, a tensor one too, and writes nothing when traced; keras-hub's

@@ -35,9 +35,10 @@ _BIAS_KEYS = ("in_proj_bias", "out_proj.bias")
 def from_torch(module_or_state_dict, **layer_kwargs):
     """Builds a `MultiHeadAttention` from a `torch.nn.MultiheadAttention`.
 
-    Also takes `transformers`' `LlamaAttention`, `MistralAttention`,
-    `Qwen2Attention`, `Gemma2Attention` and `GptOssAttention` (see
-    `keras_mha.huggingface.from_transformers` for what is read).
+    Also takes `transformers`' attention modules of Llama, Mistral,
+    Qwen2, Gemma 2, gpt-oss, Phi-3, SmolLM3 and Cohere2 (see
+    `keras_mha.huggingface.from_transformers` for the classes and what is
+    read).
 
     Query, key and value projections (packed `in_proj_weight`, or
     `q_proj_weight`/`k_proj_weight`/`v_proj_weight` when `kdim`/`vdim`

@@ -35,10 +35,21 @@ class Family:
         partial_rotary: whether the model rotates only
             `int(head_dim * partial_rotary_factor)` features of a head (see
             `rope_parameters.rotary_embedding`).
+        rope_layers: which layers rotate: `None` (every layer),
+            `"no_rope_layers"` (those where `config.no_rope_layers[i]` is
+            true: SmolLM3, Llama 4) or `"sliding"` (those with a sliding
+            window: Cohere2).
+        interleaved: whether the model rotates the pairs
+            `(x_{2i}, x_{2i+1})` (Cohere2) rather than `(x_i, x_{i+d/2})`.
+        fused_qkv: whether the query, key and value projections are one
+            `qkv_proj`, in that order (Phi-3).
     """
 
     window: str = None
     partial_rotary: bool = False
+    rope_layers: str = None
+    interleaved: bool = False
+    fused_qkv: bool = False
 
 
 # (module path, class) -> its family.
@@ -52,6 +63,12 @@ FAMILIES = {
         Family(window="layer_types"),
     ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssAttention"):
         Family(window="layer_types"),
+    ("transformers.models.phi3.modeling_phi3", "Phi3Attention"):
+        Family(window="config", partial_rotary=True, fused_qkv=True),
+    ("transformers.models.smollm3.modeling_smollm3", "SmolLM3Attention"):
+        Family(window="layer_types", rope_layers="no_rope_layers"),
+    ("transformers.models.cohere2.modeling_cohere2", "Cohere2Attention"):
+        Family(window="layer_types", rope_layers="sliding", interleaved=True),
 }
 
 
@@ -72,27 +89,34 @@ def from_transformers(module, **layer_kwargs):
     """Builds a `MultiHeadAttention` from a `transformers` attention module.
 
     Supported: `LlamaAttention`, `MistralAttention`, `Qwen2Attention`,
-    `Gemma2Attention` and `GptOssAttention` (the classes themselves, not
+    `Gemma2Attention`, `GptOssAttention`, `Phi3Attention`,
+    `SmolLM3Attention` and `Cohere2Attention` (the classes themselves, not
     subclasses). Read from the module and its `config`, for the module's
     `layer_idx`:
 
     - heads: `config.num_attention_heads`, `config.num_key_value_heads` and
       `module.head_dim` (`config.head_dim`, or `hidden_size // heads`).
-    - weights: `q_proj`, `k_proj`, `v_proj` and `o_proj`, with their biases.
-      If any projection has a bias, all four get one, zero where the module
-      has none (Qwen2's `o_proj`): the same function.
+    - weights: `q_proj`, `k_proj`, `v_proj` and `o_proj`, with their biases
+      (Phi-3: `qkv_proj`, split into queries, keys and values). If any
+      projection has a bias, all four get one, zero where the module has
+      none (Qwen2's `o_proj`): the same function.
     - rotary embedding: `config.rope_parameters` (transformers 5, one
       dict or one per layer type) or `config.rope_theta` and
       `config.rope_scaling` (older configs), rope types `"default"`,
       `"linear"`, `"llama3"`, `"yarn"`, `"dynamic"` and `"longrope"`, with
       the parameters and defaults of transformers' `ROPE_INIT_FUNCTIONS`
-      (see `keras_mha.rope_parameters`). These models' default RoPE
-      rotates every feature of a head, whatever `partial_rotary_factor`
-      says, and so does the layer. `"dynamic"` and `"longrope"` depend on
-      the call's largest position, as in the model; see
-      `RotaryEmbedding` for what that means for a cache.
-    - sliding window: Mistral's `config.sliding_window` for every layer;
-      for Qwen2, Gemma 2 and gpt-oss, `config.sliding_window` where
+      (see `keras_mha.rope_parameters`). Phi-3 rotates the first
+      `int(head_dim * partial_rotary_factor)` features of a head; the
+      others rotate every feature, whatever `partial_rotary_factor` says,
+      and so does the layer. Cohere2 rotates interleaved pairs
+      (`interleaved=True`). `"dynamic"` and `"longrope"` depend on the
+      call's largest position, as in the model; see `RotaryEmbedding` for
+      what that means for a cache.
+    - NoPE layers (`rotary_embedding=None`): SmolLM3's layers where
+      `config.no_rope_layers[layer_idx]` is 0; Cohere2's full-attention
+      layers (it rotates only where it slides).
+    - sliding window: Mistral's and Phi-3's `config.sliding_window` for
+      every layer; for the others, `config.sliding_window` where
       `config.layer_types[layer_idx] == "sliding_attention"`, else none.
       Hugging Face's window `W` (`kv_idx > q_idx - W`) is our causal
       `sliding_window=W`.
@@ -138,10 +162,18 @@ def from_transformers(module, **layer_kwargs):
     num_kv_heads = int(config.num_key_value_heads)
     head_dim = int(module.head_dim)
     hidden_size = int(config.hidden_size)
-    projections = [module.q_proj, module.k_proj, module.v_proj, module.o_proj]
-    use_bias = any(dense.bias is not None for dense in projections)
+    projections = _projections(module, family, num_heads, num_kv_heads,
+                               head_dim)
+    use_bias = any(bias is not None for _, bias in projections.values())
     soft_cap = getattr(module, "attn_logit_softcapping", None)
     sinks = getattr(module, "sinks", None)
+    sliding_window = _sliding_window(module, name, family)
+    rotary_embedding = None
+    if _uses_rope(module, family):
+        rotary_embedding = rope_parameters.rotary_embedding(
+            config, head_dim, name, _layer_type(module),
+            family.partial_rotary, interleaved=family.interleaved,
+        )
     fixed = dict(
         num_heads=num_heads,
         key_dim=head_dim,
@@ -150,15 +182,12 @@ def from_transformers(module, **layer_kwargs):
         use_bias=use_bias,
         use_gate=False,
         output_shape=None,
-        rotary_embedding=rope_parameters.rotary_embedding(
-            config, head_dim, name, _layer_type(module),
-            family.partial_rotary,
-        ),
+        rotary_embedding=rotary_embedding,
         scale=float(module.scaling),
         attn_logits_soft_cap=None if soft_cap is None else float(soft_cap),
         use_sinks=sinks is not None,
         use_alibi=False,
-        sliding_window=_sliding_window(module, name, family),
+        sliding_window=sliding_window,
     )
     if host.output_shape(layer_kwargs.get("output_shape")) == (hidden_size,):
         del layer_kwargs["output_shape"]  # the default: the input's size
@@ -167,32 +196,68 @@ def from_transformers(module, **layer_kwargs):
     layer = MultiHeadAttention(**{**layer_kwargs, **fixed})
     layer.build((None, None, hidden_size), (None, None, hidden_size))
 
-    def weights(dense, kernel_shape, bias_shape):
+    def weights(projection, kernel_shape, bias_shape):
         # torch: y = x @ W.T + b; head n is features n*H:(n+1)*H.
-        kernel = host.to_numpy(dense.weight).T.reshape(kernel_shape)
+        weight, bias = projections[projection]
+        kernel = weight.T.reshape(kernel_shape)
         if not use_bias:
             return [kernel]
-        if dense.bias is None:
+        if bias is None:
             return [kernel, np.zeros(bias_shape, kernel.dtype)]
-        return [kernel, host.to_numpy(dense.bias).reshape(bias_shape)]
+        return [kernel, bias.reshape(bias_shape)]
 
     query_heads = (num_heads, head_dim)
     key_heads = (num_kv_heads, head_dim)
     layer.query_dense.set_weights(
-        weights(module.q_proj, (hidden_size, *query_heads), query_heads)
+        weights("query", (hidden_size, *query_heads), query_heads)
     )  # (E, N, H), (N, H)
     layer.key_dense.set_weights(
-        weights(module.k_proj, (hidden_size, *key_heads), key_heads)
+        weights("key", (hidden_size, *key_heads), key_heads)
     )  # (E, K, H), (K, H)
     layer.value_dense.set_weights(
-        weights(module.v_proj, (hidden_size, *key_heads), key_heads)
+        weights("value", (hidden_size, *key_heads), key_heads)
     )  # (E, K, V), (K, V)
     layer.output_dense.set_weights(
-        weights(module.o_proj, (*query_heads, hidden_size), (hidden_size,))
+        weights("output", (*query_heads, hidden_size), (hidden_size,))
     )  # (N, V, E), (E,)
     if sinks is not None:
         layer.sinks.assign(host.to_numpy(sinks))  # (N,)
     return layer
+
+
+def _projections(module, family, num_heads, num_kv_heads, head_dim):
+    """`{"query", "key", "value", "output"}` -> `(weight, bias)`, torch's
+    `(out, in)` weight and `(out,)` bias (or `None`) as NumPy arrays."""
+
+    def read(dense):
+        bias = None if dense.bias is None else host.to_numpy(dense.bias)
+        return host.to_numpy(dense.weight), bias
+
+    if not family.fused_qkv:
+        dense = [module.q_proj, module.k_proj, module.v_proj, module.o_proj]
+        return dict(zip(("query", "key", "value", "output"),
+                        map(read, dense)))
+    # Phi-3: rows [queries (N·H), keys (K·H), values (K·H)] of `qkv_proj`.
+    weight, bias = read(module.qkv_proj)
+    stops = np.cumsum([num_heads, num_kv_heads]) * head_dim
+    weights = np.split(weight, stops)
+    biases = [None] * 3 if bias is None else np.split(bias, stops)
+    return dict(
+        query=(weights[0], biases[0]),
+        key=(weights[1], biases[1]),
+        value=(weights[2], biases[2]),
+        output=read(module.o_proj),
+    )
+
+
+def _uses_rope(module, family):
+    """Whether the module's layer rotates its queries and keys."""
+    if family.rope_layers == "no_rope_layers":
+        # A true entry means the layer *has* rope, as in the modules.
+        return bool(module.config.no_rope_layers[module.layer_idx])
+    if family.rope_layers == "sliding":
+        return getattr(module, "sliding_window", None) is not None
+    return True
 
 
 def _layer_type(module):

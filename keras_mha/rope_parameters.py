@@ -60,7 +60,7 @@ def rope_parameters(config, layer_type=None):
 
 
 def rotary_embedding(config, head_dim, owner, layer_type=None,
-                     partial_rotary=False):
+                     partial_rotary=False, interleaved=False):
     """The `RotaryEmbedding` whose tables are the model's.
 
     Args:
@@ -74,6 +74,9 @@ def rotary_embedding(config, head_dim, owner, layer_type=None,
             `H` whatever the factor says, and the scaled types, whose
             tables the model cannot apply to `H` features otherwise, need
             a factor of 1.
+        interleaved: whether the model rotates the pairs
+            `(x_{2i}, x_{2i+1})` (Cohere2, Llama 4) rather than
+            `(x_i, x_{i + d/2})`.
 
     Returns:
         A `keras_mha.RotaryEmbedding` with `rotary_dim` set.
@@ -107,6 +110,7 @@ def rotary_embedding(config, head_dim, owner, layer_type=None,
         max_wavelength=params["rope_theta"],
         rotary_dim=rotary_dim,
         rope_type=rope_type,
+        interleaved=interleaved,
         **_READERS[rope_type](params, config),
     )
     return RotaryEmbedding(**kwargs)

@@ -40,12 +40,22 @@ COMMON = dict(
     intermediate_size=16,
     vocab_size=16,
 )
+# Special tokens inside the tiny vocabulary, for configs whose defaults
+# are not.
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _FACTORS = np.random.default_rng(7)
 LONGROPE = {
     "rope_type": "longrope", "rope_theta": THETA, "factor": 4.0,
     "original_max_position_embeddings": SWITCH,
     "short_factor": [float(x) for x in _FACTORS.uniform(1, 1.5, 4)],
     "long_factor": [float(x) for x in _FACTORS.uniform(2, 8, 4)],
+}
+# Phi-3's longrope: its short and long factors cover the 6 rotated features
+# of a head of 8 (partial rotary factor 3/4, as in Phi-4-mini).
+PHI3_LONGROPE = {
+    "rope_type": "longrope", "rope_theta": THETA,
+    "short_factor": [float(x) for x in _FACTORS.uniform(1, 1.5, 3)],
+    "long_factor": [float(x) for x in _FACTORS.uniform(2, 8, 3)],
 }
 # Llama 3.1-3.3's published rope parameters.
 LLAMA3 = {
@@ -137,6 +147,33 @@ CASES = {
              num_local_experts=2, num_experts_per_tok=1),
         LENGTH,
     ),
+    # Phi-4-mini: longrope on 3/4 of each head (`partial_rotary_factor`),
+    # one fused `qkv_proj`, the config's window on every layer.
+    **{
+        f"phi3_longrope_partial_{side}": (
+            "Phi3Config",
+            dict(num_hidden_layers=1, sliding_window=WINDOW, **TOKENS,
+                 max_position_embeddings=4 * SWITCH,
+                 original_max_position_embeddings=SWITCH,
+                 rope_parameters={**PHI3_LONGROPE,
+                                  "partial_rotary_factor": 0.75}),
+            length,
+        )
+        for side, length in (("short", SHORT), ("long", LONG))
+    },
+    # SmolLM3: layer 1 of 2 is NoPE (`no_rope_layers[1] == 0`).
+    "smollm3_nope": (
+        "SmolLM3Config",
+        dict(num_hidden_layers=2, no_rope_layer_interval=2, **TOKENS),
+        LENGTH,
+    ),
+    # Cohere2: interleaved rotary on the sliding layer, none on the full one.
+    "cohere2_windows": (
+        "Cohere2Config",
+        dict(num_hidden_layers=2, sliding_window=WINDOW, **TOKENS,
+             layer_types=["sliding_attention", "full_attention"]),
+        LENGTH,
+    ),
 }
 
 
@@ -215,6 +252,24 @@ class TestOutputs:
             to_numpy(layer.sinks.value), gpt_oss.sinks.detach().numpy()
         )
 
+    def test_reads_rope_layers(self):
+        """NoPE layers have no `rotary_embedding`; Cohere2 rotates the
+        interleaved pairs; Phi-3 rotates 3/4 of each head."""
+        smollm3 = [keras_mha.from_torch(c.module)
+                   for c in _run("smollm3_nope")]
+        assert smollm3[0].rotary_embedding.rotary_dim == HEAD_DIM
+        assert smollm3[1].rotary_embedding is None
+        sliding, full = [keras_mha.from_torch(c.module)
+                         for c in _run("cohere2_windows")]
+        assert sliding.sliding_window == WINDOW
+        assert sliding.rotary_embedding.interleaved
+        assert full.sliding_window is None and full.rotary_embedding is None
+        phi3 = keras_mha.from_torch(_run("phi3_longrope_partial_long")[0].module)
+        assert phi3.rotary_embedding.rotary_dim == 6
+        assert phi3.rotary_embedding.long_factor == tuple(
+            PHI3_LONGROPE["long_factor"])
+        assert phi3.sliding_window == WINDOW and not phi3.use_bias
+
     @pytest.mark.parametrize("case_id, rope, attention_factor", [
         ("gpt_oss_yarn", dict(rope_type="yarn", scaling_factor=32.0,
                               beta_fast=32.0, beta_slow=1.0, truncate=False,
@@ -272,7 +327,10 @@ class TestOutputs:
     # sliding layer's rolling cache.
     @pytest.mark.parametrize("case_id", ["llama_dynamic_long",
                                          "llama_longrope_long",
-                                         "gpt_oss_yarn"])
+                                         "gpt_oss_yarn",
+                                         "phi3_longrope_partial_long",
+                                         "smollm3_nope",
+                                         "cohere2_windows"])
     def test_decoding_matches_the_models_cache(self, case_id):
         """Step by step with a cache, the layer computes what the module
         computes with transformers' cache: each key keeps the rotation of

@@ -222,20 +222,13 @@ def write_pair(cache, key, value, index, halves=True):
         the whole cache) the keys and the values are written separately
         and stacked, as keras-hub does: the attention then reads them
         without slicing the stacked cache
-        (measured in a jitted GPT-2 `generate`: each of the products' key
-        and value transposes took 4.3 us from the stacked cache against
-        2.1 us). Stacking copies the cache, so a step that reads the slots
-        below its position writes one run in place instead (`jax.jit`
-        with the cache donated, 65,536 slots: 99 ms a step at p = 1k
-        stacked). One traced token is written by a select over the
-        slots instead of a guarded `slice_update`, except on JAX: XLA
-        fuses the select with the stack into one pass. A jitted tiny GPT-2
-        `generate`, timed alternately, on the earlier machine: the select
-        1.11-1.16x keras-hub's tokens/s on JAX and 1.15x on TensorFlow,
-        against 0.98x with guarded writes; on the AVX-512 machine,
-        TensorFlow 1.15x against 1.02x, but JAX 0.95x against 1.00x (a
-        compiled loop of one layer's steps: 17.8 us a step against 16.9,
-        keras-hub's 16.6), so JAX takes the guarded writes.
+        (a transpose of a half is about half the cost of one from the
+        stacked cache). Stacking copies the cache, so a step that reads the
+        slots below its position writes one run in place instead. One
+        traced token is written by a select over the slots instead of a
+        guarded `slice_update` on TensorFlow and torch, where it is the
+        faster of the two in a compiled `generate`; on JAX the guarded
+        write is.
     """
     key, value = ops.cast(key, cache.dtype), ops.cast(value, cache.dtype)
     if (

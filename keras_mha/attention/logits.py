@@ -1,6 +1,6 @@
 """What happens to the logits between `q·k` and the weights.
 
-The order is fixed (DESIGN.md, "Features of current models"): logits =
+The order is fixed (docs/design.md, "The order inside attention"): logits =
 `(q·k) × scale`; `c·tanh(logits / c)` with a soft-cap `c`; plus the
 `attention_bias`; plus ALiBi's `-m_h·|p - j|`; then every mask; then the
 softmax, with one sink logit per head in its denominator when the spec has

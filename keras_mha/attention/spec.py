@@ -57,8 +57,8 @@ class AttentionSpec:
         key_segment_ids: the keys' ids `(B, S)`, set whenever
             `segment_ids` is.
 
-    The order inside attention is that of DESIGN.md, "Features of current
-    models" (`logits.py`).
+    The order inside attention is that of `logits.py` (docs/design.md, "The
+    order inside attention").
     """
 
     scale: float
