@@ -357,6 +357,12 @@ class MultiHeadAttention(keras.layers.Layer):
 
     # ------------------------------------------------------------------- call
 
+    def __call__(self, *args, **kwargs):
+        checks.argument_kinds(self, args, kwargs)  # before Keras converts
+        return super().__call__(*args, **kwargs)
+
+    quantize = projections.quantize
+
     def call(
         self,
         query,
