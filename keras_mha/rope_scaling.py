@@ -13,7 +13,8 @@ cos and sin (`attention_factor`). With `theta = max_wavelength`,
 - `"linear"`: `base_i / f` (positions divided by `f`); keras-hub's default.
 - `"llama3"` (Llama 3.1-3.3): wavelengths `2π/base_i` above
   `L0 / low_freq_factor` are divided by `f`, those below
-  `L0 / high_freq_factor` kept, those between interpolated smoothly.
+  `L0 / high_freq_factor` kept, those between interpolated smoothly
+  (none when the factors are equal: Llama 4 Scout).
 - `"yarn"`: `base_i` (extrapolation) and `base_i / f` (interpolation)
   mixed by a ramp over the dimensions that turn between `beta_slow` and
   `beta_fast` times in `L0` positions (rounded outwards with `truncate`);
@@ -179,10 +180,10 @@ class RopeScaling:
                 f"Received: scaling_factor={self.scaling_factor!r}"
             )
         if self.rope_type == "llama3" and not (
-            checked["high_freq_factor"] > checked["low_freq_factor"]
+            checked["high_freq_factor"] >= checked["low_freq_factor"]
         ):
             raise ValueError(
-                "Argument `high_freq_factor` must be greater than "
+                "Argument `high_freq_factor` must be at least "
                 "`low_freq_factor`. Received: "
                 f"high_freq_factor={self.high_freq_factor!r}, "
                 f"low_freq_factor={self.low_freq_factor!r}"
@@ -279,7 +280,8 @@ class RopeScaling:
         wavelength = 2 * math.pi / b
         if wavelength > length / low:
             return b / factor
-        if wavelength < length / high:
+        if wavelength < length / high or high == low:
+            # Equal factors (Llama 4 Scout) leave no band to smooth over.
             return b
         smooth = (length / wavelength - low) / (high - low)
         return (1 - smooth) * b / factor + smooth * b

@@ -109,7 +109,7 @@ class RotaryEmbedding(keras.layers.Layer):
             dimensions (gpt-oss: `False`).
         low_freq_factor, high_freq_factor: Llama 3's wavelength bounds,
             `L0 / low_freq_factor` and `L0 / high_freq_factor`; required
-            with `"llama3"`, `high > low`.
+            with `"llama3"`, `high >= low` (equal in Llama 4 Scout).
         attention_factor: what cos and sin are multiplied by (`"yarn"`,
             `"longrope"`); `None` for Hugging Face's default from
             `scaling_factor`: `0.1·ln(f) + 1` (YaRN), `sqrt(1 + ln(f) /

@@ -48,6 +48,106 @@ def run_causal_lm(config, token_ids, seed=0, scale=0.25):
     return decode_causal_lm(config, token_ids, None, seed, scale)[0]
 
 
+def build_causal_lm(config, seed=0, scale=0.25):
+    """The `*ForCausalLM` of `config`, eager attention, in eval mode, its
+    attention modules' parameters redrawn as `scale · N(0, 1)` (see
+    `run_causal_lm`)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        for module in attention_modules(model):
+            for parameter in module.parameters():
+                parameter.copy_(torch.randn(parameter.shape) * scale)
+    return model
+
+
+def attention_modules(model):
+    """The model's attention modules, in layer order."""
+    return [
+        module for name, module in model.named_modules()
+        if name.endswith(".self_attn")
+    ]
+
+
+def generate_greedy(model, prompt, new_tokens):
+    """Hugging Face's own greedy decoding: `model.generate` with its cache.
+
+    Returns:
+        `(tokens, logits)`: `(B, new_tokens)` integers and
+        `(B, new_tokens, vocabulary)` float32, the logits that chose them.
+    """
+    import copy
+
+    import torch
+
+    # No end of sequence: `generate` would stop there, or, told not to,
+    # mask its logit.
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
+    prompt = torch.as_tensor(np.asarray(prompt))
+    with torch.no_grad():
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt),  # no padding
+            generation_config=config,
+            do_sample=False, max_new_tokens=new_tokens, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True,
+        )
+    tokens = out.sequences[:, prompt.shape[1]:].numpy()
+    logits = torch.stack(out.logits, dim=1).float().numpy()
+    return tokens, logits
+
+
+def decode_with(model, attention, prompt, new_tokens):
+    """Greedy decoding of `model` with each attention module's forward
+    replaced by `attention[i]`, a function `(hidden_states (B, L, E) float32
+    array, start) -> (B, L, E) array` that keeps its own cache (`start`:
+    the position of the first of the `L` tokens).
+
+    The model runs without its cache (`use_cache=False`) on the prompt, then
+    on one token at a time: everything but attention works token by token,
+    so the replaced modules see the prompt and then each new token, as
+    under `generate`, and the positions come from `start` alone.
+
+    Returns:
+        `(tokens, logits)` as `generate_greedy`.
+    """
+    import torch
+
+    modules = attention_modules(model)
+    starts = [0] * len(modules)
+    originals = [module.forward for module in modules]
+
+    def replaced(index):
+        def forward(hidden_states, *args, **kwargs):
+            x = hidden_states.detach().float().numpy()
+            y = attention[index](x, starts[index])
+            starts[index] += x.shape[1]
+            return torch.as_tensor(np.asarray(y, np.float32)), None
+        return forward
+
+    for index, module in enumerate(modules):
+        module.forward = replaced(index)
+    tokens = torch.as_tensor(np.asarray(prompt))
+    chosen, logits = [], []
+    try:
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                step = model(input_ids=tokens, use_cache=False).logits[:, -1]
+                tokens = step.argmax(-1, keepdim=True)
+                chosen.append(tokens)
+                logits.append(step)
+    finally:
+        for module, forward in zip(modules, originals):
+            module.forward = forward
+    return (torch.cat(chosen, 1).numpy(),
+            torch.stack(logits, 1).float().numpy())
+
+
 def decode_causal_lm(config, token_ids, prompt_length, seed=0, scale=0.25):
     """`run_causal_lm`, decoding: the model runs on the first
     `prompt_length` tokens, then on one token at a time, with transformers'
@@ -63,20 +163,9 @@ def decode_causal_lm(config, token_ids, prompt_length, seed=0, scale=0.25):
         module, in layer order.
     """
     import torch
-    import transformers
 
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager"
-    ).eval()
-    attention = [
-        module for name, module in model.named_modules()
-        if name.endswith(".self_attn")
-    ]
-    with torch.no_grad():
-        for module in attention:
-            for parameter in module.parameters():
-                parameter.copy_(torch.randn(parameter.shape) * scale)
+    model = build_causal_lm(config, seed, scale)
+    attention = attention_modules(model)
     captured = []
 
     def hook(module, args, kwargs, output):

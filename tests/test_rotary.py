@@ -111,6 +111,16 @@ ROPE_CASES = {
              original_max_position_embeddings=8192),
         131072,
     ),
+    # Llama 4 Scout: equal factors, no smoothed band.
+    "llama3_equal_factors": (
+        dict(rope_type="llama3", max_wavelength=500000, scaling_factor=16.0,
+             low_freq_factor=1.0, high_freq_factor=1.0,
+             original_max_position_embeddings=8192),
+        dict(rope_type="llama3", rope_theta=500000.0, factor=16.0,
+             low_freq_factor=1.0, high_freq_factor=1.0,
+             original_max_position_embeddings=8192),
+        10485760,
+    ),
     "yarn_gpt_oss": (
         dict(rope_type="yarn", max_wavelength=150000, scaling_factor=32.0,
              truncate=False, original_max_position_embeddings=4096),
@@ -405,9 +415,9 @@ class TestErrors:
         "llama3_without_high": (dict(rope_type="llama3",
                                      low_freq_factor=1.0),
                                 "high_freq_factor", "None"),
-        "llama3_high_not_above_low": (
+        "llama3_high_below_low": (
             dict(rope_type="llama3", low_freq_factor=4.0,
-                 high_freq_factor=4.0), "high_freq_factor", "4.0"),
+                 high_freq_factor=2.0), "high_freq_factor", "2.0"),
         "llama3_negative_low": (
             dict(rope_type="llama3", low_freq_factor=-1.0,
                  high_freq_factor=4.0), "low_freq_factor", "-1.0"),

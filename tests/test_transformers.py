@@ -14,7 +14,11 @@ import types
 
 import numpy as np
 import pytest
+from hf_models import attention_modules
+from hf_models import build_causal_lm
 from hf_models import decode_causal_lm
+from hf_models import decode_with
+from hf_models import generate_greedy
 from hf_models import run_causal_lm
 from util import to_numpy
 
@@ -358,6 +362,46 @@ class TestOutputs:
         )
         assert layer.name == "imported" and layer.dropout == 0.25
         assert layer.sliding_window == WINDOW
+
+
+class TestGenerate:
+    """Greedy decoding of a whole model whose attention modules are ours."""
+
+    GENERATED = 6
+
+    @pytest.mark.parametrize("case_id", ["llama_llama3"])
+    def test_tokens_and_logits_of_generate(self, case_id):
+        """Each attention module's forward is replaced by a call of
+        `from_torch(module)` with our cache (`init_cache`,
+        `cache_update_index`); the rest of the model (embeddings, norms,
+        MLPs, head) is Hugging Face's, run token by token. The tokens and
+        logits are `generate`'s, which decodes with transformers' cache."""
+        model = build_causal_lm(_config(case_id))
+        prompt = np.random.default_rng(2).integers(
+            0, COMMON["vocab_size"], size=(BATCH, PROMPT)
+        )
+        want_tokens, want_logits = generate_greedy(model, prompt,
+                                                   self.GENERATED)
+        layers = [keras_mha.from_torch(m) for m in attention_modules(model)]
+        caches = [layer.init_cache(BATCH, PROMPT + self.GENERATED)
+                  for layer in layers]
+
+        def ours(index):
+            def call(x, start):
+                output, caches[index] = layers[index](
+                    x, x, use_causal_mask=True, cache=caches[index],
+                    cache_update_index=start,
+                )
+                return to_numpy(output)
+            return call
+
+        tokens, logits = decode_with(
+            model, [ours(i) for i in range(len(layers))], prompt,
+            self.GENERATED,
+        )
+        np.testing.assert_array_equal(tokens, want_tokens)
+        np.testing.assert_allclose(logits, want_logits, atol=2e-5,
+                                   rtol=1e-5)
 
 
 class TestRopeParameters:
