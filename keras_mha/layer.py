@@ -17,7 +17,7 @@ from keras_mha.attention import attend_cached
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
-from keras_mha.private_names import KerasPrivateNames
+from keras_mha.hooks import LayerHooks
 
 
 def _read_only(attribute, doc=None):
@@ -25,7 +25,7 @@ def _read_only(attribute, doc=None):
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
-class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
+class MultiHeadAttention(LayerHooks, keras.layers.Layer):
     """Multi-head attention, a drop-in for `keras.layers.MultiHeadAttention`.
 
     Projects `query`, `key` and `value` into heads, attends, concatenates the
@@ -357,12 +357,6 @@ class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
             self._sinks_layer.build()
 
     # ------------------------------------------------------------------- call
-
-    def __call__(self, *args, **kwargs):
-        checks.argument_kinds(self, args, kwargs)  # before Keras converts
-        return super().__call__(*args, **kwargs)
-
-    quantize = projections.quantize
 
     def call(
         self,
