@@ -19,7 +19,7 @@ from keras_mha.attention import attend_cached
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
-from keras_mha.private_names import KerasPrivateNames
+from keras_mha.hooks import LayerHooks
 
 
 def _read_only(attribute, doc=None):
@@ -27,7 +27,7 @@ def _read_only(attribute, doc=None):
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
-class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
+class MultiHeadAttention(LayerHooks, keras.layers.Layer):
     """Multi-head attention, a drop-in for `keras.layers.MultiHeadAttention`.
 
     Projects `query`, `key` and `value` into heads, attends, concatenates the

@@ -90,6 +90,36 @@ class Projection(keras.layers.EinsumDense):
         super().quantize(mode, type_check=False, config=config)
 
 
+def quantize(layer, mode=None, type_check=True, config=None):
+    """Quantizes the layer's projections, as `keras.Model.quantize` does.
+
+    Every `EinsumDense` sublayer is quantized; the sinks and any norms keep
+    their dtype, as `Model.quantize` leaves the layers it cannot quantize.
+    The projections' policies go into a `keras.dtype_policies.DTypePolicyMap`
+    keyed by their paths, which becomes the layer's dtype policy, so its
+    config rebuilds quantized projections and the layer saves and loads.
+
+    Args:
+        mode: Keras's quantization mode (`"int8"`, `"int4"`, `"float8"`),
+            or `None` with a `config`.
+        type_check: accepted for Keras's signature; unused.
+        config: a `keras.quantizers.QuantizationConfig`, or `None`.
+    """
+    policies = layer.dtype_policy
+    if not isinstance(policies, keras.dtype_policies.DTypePolicyMap):
+        policies = keras.dtype_policies.DTypePolicyMap(default_policy=policies)
+    for sublayer in layer._flatten_layers(include_self=False):
+        if isinstance(sublayer, keras.layers.EinsumDense):
+            sublayer.quantize(mode, config=config)
+            policies[sublayer.path] = sublayer.dtype_policy
+    layer._dtype_policy = policies
+    if keras.backend.backend() == "torch":
+        # As `Model.quantize` does: the replaced weights leave the torch
+        # parameters.
+        for tracked in layer._flatten_layers():
+            tracked._track_variables()
+
+
 def _sublayer_kwargs(layer):
     # Fresh initializer instances: a shared stateless initializer would
     # give every projection the same values.

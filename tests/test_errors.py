@@ -274,6 +274,36 @@ CALL_CASES = [
              ValueError, received("value.shape", "(2, 4, 8)")),
     CallCase("cache-query_mask-shape", _cache_args(query_mask=_mask((2, 4))),
              ValueError, received("query_mask.shape", "(2, 4)")),
+    # Arrays of the wrong kind, named before Keras converts them (which
+    # would say `Invalid dtype: str32`); eager only, as an Input cannot be.
+    *(CallCase(f"{name}-{kind}", _qvk(**{name: value}), TypeError,
+               received(f"{name}.dtype", shown), symbolic=False)
+      for name in ("attention_mask", "query_mask", "attention_bias")
+      for kind, value, shown in (
+          ("str-array", np.full((2, 5, 7), "a"), "<U1"),
+          ("str-list", [["a"] * 7] * 5, "<U1"),
+          ("object-array", np.full((2, 5, 7), None), "object"))),
+    *(CallCase(f"{name}-{type(value).__name__}", {**_qvk(), name: value},
+               TypeError, received(name, repr(value)) + " of type "
+               + type(value).__name__, symbolic=False)
+      for name, value in (("attention_mask", "causal"),
+                          ("attention_mask", {"mask": 1}),
+                          ("segment_ids", {"ids": 1}),
+                          ("query", "hello"), ("value", {"a": 1}),
+                          ("key", [1.0, 2.0]))),
+    CallCase("query-str-array", {**_qvk(), "query": np.full(Q, "a")},
+             TypeError, received("query.dtype", "<U1"), symbolic=False),
+    CallCase("value-object-array", {**_qvk(), "value": np.full(V, None)},
+             TypeError, received("value.dtype", "object"), symbolic=False),
+    CallCase("attention_mask-ragged", _qvk(attention_mask=[[1, 0], [1]]),
+             ValueError, r"`attention_mask` must be .* one shape",
+             symbolic=False),
+    CallCase("cache-index-str-array", _cache_args(index=np.array("1")),
+             TypeError, received("cache_update_index.dtype", "<U1"),
+             symbolic=False),
+    CallCase("cache-str-array",
+             _cache_args(cache=(np.full((2, 8, 2, 4), "a"),) + CACHE[1:]),
+             TypeError, received("cache[0].dtype", "<U1"), symbolic=False),
 ]
 
 
@@ -321,6 +351,19 @@ class TestCall:
         args = {name: _symbolic(value) for name, value in case.args.items()}
         with pytest.raises(case.error, match=case.match):
             layer(**args)
+
+    @pytest.mark.parametrize("cls", [GQA, keras_mha.CachedMultiHeadAttention])
+    def test_wrong_kind_on_every_layer(self, cls):
+        """The layers built on `MultiHeadAttention` check kinds too, the
+        inputs positional or not."""
+        kwargs = _BASE.get(cls, _BASE[MHA])
+        layer = cls(**kwargs)
+        x = np.ones(Q, "float32")
+        with pytest.raises(TypeError, match=received("attention_mask.dtype",
+                                                     "<U1")):
+            layer(x, x, attention_mask=np.full((2, 5, 5), "a"))
+        with pytest.raises(TypeError, match=received("value", "'x'")):
+            layer(x, "x")
 
     def test_cache_index_float_tensor(self):
         layer = _layer()

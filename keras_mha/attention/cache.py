@@ -217,9 +217,13 @@ def _write_run(cache, new, start, axis=1, fits=None, shared=None):
         if shared is not None:
             shared[rank] = indices
     if fits is not None:
-        shape = list(ops.shape(cache))
-        shape[axis] = new.shape[axis]
-        old = ops.slice(cache, indices, tuple(shape))
+        # A gather, not `ops.slice`: XLA under TensorFlow compiles a slice's
+        # start as a constant, so a traced index would recompile the step
+        # for every value (`tests/test_compile.py`).
+        slots = ops.cast(start, "int32") + ops.arange(
+            new.shape[axis], dtype="int32"
+        )
+        old = ops.take(cache, slots, axis=axis)
         new = ops.where(fits, new, old)
     if keras.backend.backend() == "numpy":
         # Keras's NumPy `slice_update` assigns into its input: copy, so the

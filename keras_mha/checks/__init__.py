@@ -24,6 +24,7 @@ from keras_mha.checks.arguments import output_shape
 from keras_mha.checks.arguments import attention_axes
 from keras_mha.checks.arguments import shape_and_dtype
 from keras_mha.checks.arguments import dims_agree
+from keras_mha.checks.inputs import argument_kinds
 from keras_mha.checks.inputs import mask_argument
 from keras_mha.checks.inputs import input_shapes
 from keras_mha.checks.inputs import attention_bias
@@ -38,6 +39,7 @@ from keras_mha.checks.cache import cache_parts
 from keras_mha.checks.cache import cache_tensor
 
 __all__ = [
+    "argument_kinds",
     "attention_axes",
     "attention_bias",
     "boolean",

@@ -1,5 +1,7 @@
 """Checks of a call's tensors from their shapes and dtypes."""
 
+import inspect
+
 import keras
 import numpy as np
 
@@ -7,6 +9,86 @@ from keras_mha.axes import AxesLayout
 from keras_mha.checks.arguments import dims_agree
 from keras_mha.checks.arguments import shape_and_dtype
 from keras_mha.checks.cache import cache_call
+
+# A call's array arguments (`cache` apart: a tuple of them, or one tensor).
+ARRAY_ARGUMENTS = (
+    "query", "value", "key", "query_mask", "value_mask", "key_mask",
+    "attention_mask", "attention_bias", "segment_ids", "key_segment_ids",
+    "cache_update_index", "cache",
+)
+# Those that must be tensors or arrays: Keras takes nothing else as inputs.
+_TENSORS = ("query", "value", "key")
+# The names of each layer class's `call` parameters, in order.
+_CALL_NAMES = {}
+# Those whose other kinds `cache.py`'s checks name (an int index, a tuple).
+_CHECKED_LATER = ("cache", "cache_update_index")
+
+
+def argument_kinds(layer, args, kwargs):
+    """Checks that every array argument of a call of `layer` is an array of
+    numbers or booleans, before `Layer.__call__` converts them.
+
+    Keras's conversion would fail on a NumPy array of strings or objects
+    without naming the argument (`Invalid dtype: str32`), and a dict or a
+    string as `query` would reach `call` as an `AttributeError`. A tensor's
+    dtype is read, never its values.
+
+    Args:
+        layer: the layer called; its `call`'s parameters name `args`.
+        args: the call's positional arguments.
+        kwargs: its keyword arguments.
+    """
+    names = _CALL_NAMES.get(type(layer))
+    if names is None:
+        names = _CALL_NAMES[type(layer)] = tuple(
+            inspect.signature(layer.call).parameters
+        )
+    given = dict(zip(names, args))
+    given.update((k, v) for k, v in kwargs.items() if k in ARRAY_ARGUMENTS)
+    for name, value in given.items():
+        if name not in ARRAY_ARGUMENTS or value is None:
+            continue
+        if name == "cache" and isinstance(value, (tuple, list)):
+            for i, part in enumerate(value):  # `checks.cache_parts` the rest
+                if hasattr(part, "dtype"):
+                    _array_kind(f"cache[{i}]", part)
+        elif name not in _CHECKED_LATER or hasattr(value, "dtype"):
+            _array_kind(name, value)
+
+
+def _array_kind(name, value):
+    """`value` (of argument `name`) is a tensor or array of numbers or
+    booleans; a nested list or a number where `name` is not a layer
+    input."""
+    tensor = hasattr(value, "shape") and hasattr(value, "dtype")
+    if not tensor:
+        if name in _TENSORS or not isinstance(
+            value, (list, tuple, bool, int, float, np.generic)
+        ):
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise TypeError(
+                f"`{name}` must be a tensor or a NumPy array. Received: "
+                f"{name}={shown} of type {type(value).__name__}"
+            )
+        try:
+            value = np.asarray(value)
+        except ValueError as error:  # ragged nested lists
+            raise ValueError(
+                f"`{name}` must be a tensor, an array or a nested list of "
+                f"one shape. Received: {name} with {error}"
+            ) from None
+    dtype = value.dtype
+    try:
+        dtype = keras.backend.standardize_dtype(dtype)
+    except ValueError:  # a dtype Keras has no name for (strings, objects)
+        dtype = str(dtype)
+    if dtype != "bool" and "int" not in dtype and "float" not in dtype:
+        raise TypeError(
+            f"`{name}` must hold numbers or booleans. "
+            f"Received: {name}.dtype={dtype}"
+        )
+
 
 def mask_argument(name, value, targets, broadcast=True):
     """Checks that a mask has a mask's dtype and a shape it may have.

@@ -1,0 +1,133 @@
+"""Steps that compile once.
+
+A decoding step with a tensor `cache_update_index` traces once and
+compiles once under `jax.jit` and `tf.function(jit_compile=True)`, whatever
+the index's value: counted over ten steps, with a Python counter in the
+traced function and the backend's own count of compilations. On JAX that is
+`jax.monitoring`'s backend-compile events. On TensorFlow one trace may
+still compile several XLA programs: an input that an XLA op needs as a
+constant (a slice's start, a shape) is compiled in as its value, so the
+step recompiles for every index. The programs are counted as the distinct
+HLO modules of the ten steps' arguments.
+"""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+
+import keras_mha
+from util import make_layer
+from util import to_numpy
+
+STEPS = 10
+TRACED = pytest.mark.skipif(
+    BACKEND not in ("jax", "tensorflow"),
+    reason="only jax.jit and tf.function trace a decoding step",
+)
+
+
+def _decoder(x, case):
+    """A layer with RoPE and grouped heads, and its empty cache: ours
+    `(keys, values, valid)` full or rolling, or keras-hub's."""
+    kwargs = dict(num_heads=2, key_dim=4, num_key_value_heads=1,
+                  rotary_embedding=keras_mha.RotaryEmbedding())
+    if case == "keras_hub":
+        layer = keras_mha.CachedMultiHeadAttention(**kwargs)
+        layer.build(x.shape, x.shape)
+        return layer, layer.init_cache(x.shape[0], STEPS)
+    if case == "rolling":
+        kwargs["sliding_window"] = 4
+    layer = make_layer(x, x, **kwargs)
+    return layer, layer.init_cache(x.shape[0], STEPS)
+
+
+def _counted(fn):
+    """`(compiled, programs)`: `fn` compiled, and a function of the
+    arguments of every call made so far that counts the programs compiled
+    for them."""
+    if BACKEND == "jax":
+        import jax
+
+        events = []
+
+        def listen(event, duration, **kwargs):
+            if event == "/jax/core/compile/backend_compile_duration":
+                events.append(event)
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        jitted = jax.jit(fn)
+
+        def run(*args):  # the compilations during the step's own calls
+            before = len(events)
+            try:
+                return jitted(*args)
+            finally:
+                run.compilations += len(events) - before
+
+        run.compilations = 0
+
+        def programs(calls):
+            jax.monitoring.unregister_event_duration_listener(listen)
+            assert jitted._cache_size() == 1
+            return run.compilations
+
+        return run, programs
+    import tensorflow as tf
+
+    function = tf.function(fn, jit_compile=True)
+
+    def programs(calls):
+        assert function.experimental_get_tracing_count() == 1
+        return len({
+            _program(function.experimental_get_compiler_ir(*args)(stage="hlo"))
+            for args in calls
+        })
+
+    return function, programs
+
+
+def _program(hlo):
+    """An HLO module's text without what names it: its metadata and the
+    names of its instructions and computations, numbered in order."""
+    hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)
+    names = {}
+    return re.sub(
+        r"%[\w.\-]+", lambda m: names.setdefault(m[0], f"%{len(names)}"), hlo
+    )
+
+
+@TRACED
+@pytest.mark.parametrize("case", ["full", "rolling", "keras_hub"])
+def test_decoding_steps_compile_once(rng, case):
+    """Ten steps with a tensor index: one trace, one compiled program, and
+    the eager steps' outputs."""
+    x = rng.normal(size=(2, STEPS, 8)).astype("float32")
+    layer, cache = _decoder(x, case)
+    traces = []
+
+    def step(token, cache, index):
+        traces.append(1)
+        if case == "keras_hub":  # keras-hub's call: the mask is the caller's
+            return layer(token, token, cache=cache, cache_update_index=index)
+        return layer(token, token, use_causal_mask=True, cache=cache,
+                     cache_update_index=index)
+
+    run, programs = _counted(step)
+    calls, outputs = [], []
+    for i in range(STEPS):
+        args = (x[:, i : i + 1], cache,
+                keras.ops.convert_to_tensor(i, dtype="int32"))
+        calls.append(args)
+        out, cache = run(*args)
+        outputs.append(to_numpy(out))
+    assert len(traces) == 1
+    assert programs(calls) == 1
+    if case == "keras_hub":  # a step never sees the slots after it
+        full = layer(x, x, attention_mask=np.tril(np.ones((STEPS,) * 2)))
+    else:
+        full = layer(x, x, use_causal_mask=True)
+    np.testing.assert_allclose(np.concatenate(outputs, 1), to_numpy(full),
+                               atol=1e-5, rtol=1e-5)
