@@ -54,7 +54,9 @@ def describe(
         flash_attention=layer._flash_attention,
         bias=None if attention_bias is None else _rank4(attention_bias),
         soft_cap=layer._soft_cap,
-        sinks=layer.sinks,
+        # The variable's tensor: torch.compile breaks its graph on
+        # `ops.cast` of a Keras variable.
+        sinks=None if layer.sinks is None else layer.sinks.value,
         alibi=logits_lib.alibi_slopes(layer._num_heads)
         if layer._use_alibi
         else None,

@@ -54,7 +54,6 @@ tokens at their positions on `fused` or `explicit`.
 
 import collections
 import contextlib
-import contextvars
 import math
 import numbers
 
@@ -110,12 +109,15 @@ class Shapes(
         )
 
 
-_forced = contextvars.ContextVar("keras_mha_forced_path", default=None)
+# The paths `force_path` blocks hold the calls to, innermost last: a plain
+# list, which `torch.compile` reads as a constant (a `ContextVar` is a graph
+# break).
+_forced = []
 
 
 def forced_path():
     """The path `force_path` holds the calls to, or `None`."""
-    return _forced.get()
+    return _forced[-1] if _forced else None
 
 
 @contextlib.contextmanager
@@ -127,11 +129,11 @@ def force_path(path):
     """
     if path not in PATHS:
         raise ValueError(f"`path` must be one of {PATHS}. Received: path={path!r}")
-    token = _forced.set(path)
+    _forced.append(path)
     try:
         yield
     finally:
-        _forced.reset(token)
+        _forced.pop()
 
 
 def banded_pays_off(window, query_length, key_length, backend=None,
@@ -236,7 +238,7 @@ def choose_path(spec, shapes, backend=None, platform=None):
     """
     backend = backend or keras.backend.backend()
     platform = platform or tuning.device_platform()
-    forced = _forced.get()
+    forced = forced_path()
     if forced is not None and can_serve(forced, spec, shapes, backend):
         return forced
 

@@ -24,7 +24,6 @@ value, e.g. `KERAS_MHA_TUNING=blocked_block=256 python -m benchmarks ...`.
 
 import collections
 import contextlib
-import contextvars
 import functools
 import math
 import os
@@ -368,7 +367,10 @@ def rows():
 
 # ------------------------------------------------------------------ platform
 
-_assumed = contextvars.ContextVar("keras_mha_platform", default=None)
+# The platforms `assume_platform` blocks assume, innermost last: a plain
+# list, which `torch.compile` reads as a constant (a `ContextVar` is a graph
+# break).
+_assumed = []
 
 
 @contextlib.contextmanager
@@ -384,11 +386,11 @@ def assume_platform(platform):
             f"`platform` must be one of {PLATFORMS}. "
             f"Received: platform={platform!r}"
         )
-    token = _assumed.set(platform)
+    _assumed.append(platform)
     try:
         yield
     finally:
-        _assumed.reset(token)
+        _assumed.pop()
 
 
 def device_platform(*tensors):
@@ -400,9 +402,8 @@ def device_platform(*tensors):
     CUDA or MPS when available, TensorFlow's visible TPUs or GPUs), cached
     per backend. `assume_platform` overrides both.
     """
-    assumed = _assumed.get()
-    if assumed is not None:
-        return assumed
+    if _assumed:
+        return _assumed[-1]
     backend = keras.backend.backend()
     for x in tensors:
         found = _tensor_platform(backend, x)
