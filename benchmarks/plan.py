@@ -69,12 +69,17 @@ FEATURES = ("plain", "rope", "soft_cap", "sinks", "alibi", "segments")
 FEATURE_LABELS = {"plain": "plain", "rope": "RoPE", "soft_cap": "soft-cap",
                   "sinks": "sinks", "alibi": "ALiBi",
                   "segments": "segment ids"}
-# Decode cells: `keras_mha.MultiHeadAttention` with its cache, keras-hub's
-# `CachedMultiHeadAttention` with its own (`(B, 2, S, N, H)`, a causal
-# `attention_mask`), and the floor: reading the valid cache slots once.
-DECODE_IMPLS = ("ours", "keras_hub")
-DECODE_LABELS = {"ours": "ours", "keras_hub": "keras-hub",
-                 "read": "read (floor)"}
+# Decode cells: `keras_mha.MultiHeadAttention` with an in-place cache
+# (`init_cache(..., in_place=True)`: `ours`), with a cache the caller owns
+# (the default: `ours_default`, eager steps in the full caches at the
+# first position), keras-hub's `CachedMultiHeadAttention` with its own
+# (`(B, 2, S, N, H)`, a causal `attention_mask`), and the floor: reading
+# the valid cache slots once.
+DECODE_IMPLS = ("ours", "keras_hub", "ours_default")
+DECODE_LABELS = {"ours": "ours (in place)", "keras_hub": "keras-hub",
+                 "ours_default": "ours (default)", "read": "read (floor)"}
+# The attentions of the `generate` cells.
+GENERATE_IMPLS = ("ours", "keras_hub")
 # `compiled`: `jax.jit` with the cache donated, `tf.function(jit_compile=
 # True)`; torch runs eagerly only.
 DECODE_MODES = ("eager", "compiled")
@@ -582,6 +587,9 @@ def decode_caches(spec, impl):
     `window` slots at the positions of the full one; keras-hub's: the full
     caches, at the same positions but the fixed one."""
     positions = spec["positions"]
+    if impl == "ours_default":
+        return [("full", spec["full_length"], positions[:1]),
+                ("full", spec["short_length"], positions[:1])]
     fixed = [FIXED_POSITION] if impl == "ours" else []
     caches = [("full", spec["full_length"],
                sorted(set(fixed + positions))),
@@ -610,10 +618,11 @@ def decode_units(backend, spec):
     """The decode section's units of one backend, in the order it runs them.
 
     First the groups of steps (`decode_group`), each timed alternately by
-    its first unit (`worker.Worker.decode`): ours in the fast mode with the
-    floors (reading the `p + 1` valid slots of a full cache at each
-    position, the `w` slots of a rolling one), which come first; ours in
-    the other mode; keras-hub's in each mode. A group holds every cache at
+    its first unit (`worker.Worker.decode`): ours (in place) in the fast
+    mode with the floors (reading the `p + 1` valid slots of a full cache
+    at each position, the `w` slots of a rolling one), which come first;
+    ours in the other mode; keras-hub's in each mode; ours with a cache the
+    caller owns, eagerly. A group holds every cache at
     its positions in increasing order. Then `generate` with keras-hub's
     attention and with ours; then the prefills, each window (the rolling
     one, none) without a cache and through one.
@@ -624,6 +633,8 @@ def decode_units(backend, spec):
         modes = decode_modes(backend)
         if impl == "ours":
             modes = [fast] + [mode for mode in modes if mode != fast]
+        if impl == "ours_default":  # compiled steps are the same in both
+            modes = ["eager"]
         for mode in modes:
             if impl == "ours" and mode == fast:
                 for position in spec["positions"]:
@@ -643,7 +654,7 @@ def decode_units(backend, spec):
                         "mode": mode,
                     })
     generate = spec["generate"]
-    for impl in DECODE_IMPLS:
+    for impl in GENERATE_IMPLS:
         units.append({"kind": "generate", "backend": backend, "impl": impl,
                       "prompt_length": generate["prompt_length"],
                       "max_length": generate["max_length"]})

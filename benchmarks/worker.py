@@ -730,9 +730,9 @@ class Worker:
 
     def _decode_layer(self, impl, cache, slots):
         """`(layer, cache)` of a decode cell: our layer (a rolling cache of
-        `slots` slots when `cache` is `"rolling"`) or keras-hub's, the cache
-        filled with random keys and values (ours: every slot a real
-        token)."""
+        `slots` slots when `cache` is `"rolling"`; in place for `ours`, the
+        caller's for `ours_default`) or keras-hub's, the cache filled with
+        random keys and values (ours: every slot a real token)."""
         import keras_mha
         from keras_mha.attention import cache as cache_lib
 
@@ -751,8 +751,8 @@ class Worker:
                             sliding_window=slots if rolling else None)
         key, value = (self.backend.tensor(self._random(
             (batch, slots, heads, head))) for _ in range(2))  # (B, S, N, H)
-        tensors = cache_lib.write(layer.init_cache(batch, slots), key, value,
-                                  None, 0, rolling)
+        empty = layer.init_cache(batch, slots, in_place=impl == "ours")
+        tensors = cache_lib.write(empty, key, value, None, 0, rolling)
         return layer, tensors
 
     def decode(self, unit):
@@ -885,7 +885,7 @@ class Worker:
         inputs = generate_inputs(self.config["batch"], prompt, length,
                                  plan.GPT2["vocabulary_size"])
         calls, last = [], {}
-        for impl in plan.DECODE_IMPLS:
+        for impl in plan.GENERATE_IMPLS:
             model = keras_hub.models.GPT2CausalLM(
                 gpt2_backbone(attentions[impl]), preprocessor=None)
             model.compile(sampler="greedy")

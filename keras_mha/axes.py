@@ -138,3 +138,30 @@ def _rank4_mask(mask):
     if rank == 3:
         return mask[:, None]  # (B|1, 1, T|1, S)
     return mask
+
+
+def keras_einsum_equations(rank, attention_axes):
+    """Keras's `(dot_product_equation, combine_equation)` for inputs of
+    `rank` attended over `attention_axes` (normalized, sorted).
+
+    The projected tensors have rank `rank + 1`: `(B, ..., N, X)`, one
+    letter per axis (`a`, `b`, ...). The keys take fresh letters on the
+    attention axes. The product is `(batch axes and heads, query attention
+    axes, key attention axes)`: `"aecd,abcd->acbe"` for rank 3, keys
+    first, as `keras.layers.MultiHeadAttention` spells it.
+    """
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    projected = rank + 1
+    query = letters[:projected]
+    fresh = iter(letters[projected:])
+    key = "".join(
+        next(fresh) if axis in attention_axes else query[axis]
+        for axis in range(projected)
+    )
+    kept = [a for a in range(projected - 1) if a not in attention_axes]
+    product = "".join(
+        [query[a] for a in kept]
+        + [query[a] for a in attention_axes]
+        + [key[a] for a in attention_axes]
+    )
+    return f"{key},{query}->{product}", f"{product},{key}->{query}"

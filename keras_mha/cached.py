@@ -41,8 +41,9 @@ class CachedMultiHeadAttention(MultiHeadAttention):
       is (`key` and `value` are not read), e.g. a cross-attention cache
       computed once;
     - `cache` with `cache_update_index=i`: the `L` new keys and values are
-      projected and written at slots `i .. i+L-1` (in place on torch and in
-      eager TensorFlow and JAX, as `MultiHeadAttention.init_cache` says),
+      projected and written at slots `i .. i+L-1` (into a new cache, or in
+      place into a cache of `init_cache(..., in_place=True)`, as
+      `MultiHeadAttention.init_cache` says),
       and the queries attend over the updated cache, reading only the slots
       below `i + L`: a step's cost follows its position, not `S`. A
       cache of one block or less (`decode.block_size_for()`) is read whole,
@@ -152,7 +153,7 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         )
         limit = None
         if cache is not None and cache_update_index is not None:
-            # Written in place where the backend allows (see
+            # Written in place for an in-place cache (see
             # `attention.cache`); slots after the new ones are never read.
             cache, cached_k, cached_v = cache_lib.write_pair(
                 cache, k, v, cache_update_index, halves=not stepped
@@ -245,12 +246,18 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         """Always `False`: keras-hub's cache has a slot per position."""
         return False
 
-    def init_cache(self, batch_size, max_length):
+    def init_cache(self, batch_size, max_length, in_place=False):
         """A zero cache for decoding up to `max_length` tokens.
 
         Args:
             batch_size: `B`.
             max_length: `S`, the number of slots.
+            in_place: whether calls may write into this cache's tensor,
+                as `MultiHeadAttention.init_cache` describes. `False` (the
+                default), or a cache made by `ops.zeros` as keras-hub's
+                users do: each call returns a new tensor and leaves the
+                one given unchanged, as keras-hub's layer does (an eager
+                step copies the cache, O(S)).
 
         Returns:
             A `(B, 2, S, K, H)` tensor of zeros in the compute dtype, the
@@ -258,10 +265,12 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         """
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_length", max_length)
+        checks.boolean("in_place", in_place)
         _check_cache_heads(self)
         shape = (batch_size, 2, max_length, self._num_key_value_heads,
                  self._key_dim)
-        return ops.zeros(shape, dtype=self.compute_dtype)
+        cache = ops.zeros(shape, dtype=self.compute_dtype)
+        return cache_lib.mark_in_place(cache) if in_place else cache
 
 
 def _written(num_slots, limit):

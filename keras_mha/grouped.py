@@ -110,6 +110,31 @@ class GroupedQueryAttention(MultiHeadAttention):
     def num_query_heads(self):
         return self._num_heads
 
+    # Keras's `GroupQueryAttention` spells its equations with the queries
+    # first and the key/value heads repeated to `N` (`u`); its scale is
+    # `_inverse_sqrt_head_dim`. Same meaning here (rank-3 inputs).
+    _dot_product_equation = "bquh,bkuh->buqk"
+    _combine_equation = "buqk,bkuh->bquh"
+
+    @property
+    def _inverse_sqrt_head_dim(self):
+        """Keras's logit scale: here `scale` (`1 / sqrt(head_dim)` if
+        unset)."""
+        return self._scale
+
+    def compute_output_shape(self, query_shape, value_shape, key_shape=None):
+        """As Keras's `GroupQueryAttention`: the query's shape; the query's
+        and the value's feature sizes must be equal, and so must every
+        other axis of `value` and `key` but the last."""
+        if query_shape[-1] != value_shape[-1]:
+            raise ValueError(
+                "The last dimension of `query_shape` and `value_shape` "
+                f"must be equal, but are {query_shape[-1]}, "
+                f"{value_shape[-1]}. Received: query_shape={query_shape}, "
+                f"value_shape={value_shape}"
+            )
+        return super().compute_output_shape(query_shape, value_shape, key_shape)
+
     def get_config(self):
         config = super().get_config()
         for name in _MHA_ONLY_ARGUMENTS:

@@ -17,6 +17,7 @@ from keras_mha.attention import attend_cached
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
+from keras_mha.private_names import KerasPrivateNames
 
 
 def _read_only(attribute, doc=None):
@@ -24,7 +25,7 @@ def _read_only(attribute, doc=None):
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
-class MultiHeadAttention(keras.layers.Layer):
+class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
     """Multi-head attention, a drop-in for `keras.layers.MultiHeadAttention`.
 
     Projects `query`, `key` and `value` into heads, attends, concatenates the
@@ -499,7 +500,7 @@ class MultiHeadAttention(keras.layers.Layer):
         """A rolling cache's slots: the keys a causal query sees, `left + 1`."""
         return spec_lib.window_sides(self._sliding_window, True)[0] + 1
 
-    def init_cache(self, batch_size, max_length):
+    def init_cache(self, batch_size, max_length, in_place=False):
         """A zero key/value cache for decoding up to `max_length` tokens.
 
         Args:
@@ -507,6 +508,9 @@ class MultiHeadAttention(keras.layers.Layer):
             max_length: the longest sequence to decode. With a
                 `sliding_window` the cache is a rolling buffer of `w` slots
                 whatever `max_length` is.
+            in_place: whether calls may write into this cache's own
+                tensors (see below). `False` (the default): the caller
+                owns the cache.
 
         Returns:
             A tuple `(keys, values, valid)` (see
@@ -517,19 +521,21 @@ class MultiHeadAttention(keras.layers.Layer):
             `left + 1` (`w`) when rolling. A call returns a cache of the
             same structure.
 
-        A call with `cache=` writes its tokens in place where the backend
-        allows: on torch and in eager TensorFlow (outside a gradient tape)
-        the returned cache holds the tensors passed in, updated, and every
-        tensor sharing their buffers sees the write; in eager JAX the
-        tensors passed in are donated (do not use them again); under
-        `jax.jit` with donation and XLA the write reuses the buffers.
+        By default a call never deletes, donates or writes into the cache
+        it is given: it returns a new one, as Keras and keras-hub do. With
+        `in_place=True` an eager call writes into the cache's own tensors,
+        O(T) instead of O(L) (torch, TensorFlow: the same tensors come
+        back; JAX: the ones passed in are donated), and returns an
+        in-place cache. Traced (`jax.jit`, `tf.function`), writes are
+        functional in both modes and XLA reuses donated buffers.
         """
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_length", max_length)
+        checks.boolean("in_place", in_place)
         slots = self._rolling_slots if self.rolling_cache else max_length
         return cache_lib.zeros(
             batch_size, slots, self._num_key_value_heads, self._key_dim,
-            self._value_dim, self.compute_dtype,
+            self._value_dim, self.compute_dtype, in_place=in_place,
         )
 
     # ----------------------------------------------------------------- shapes

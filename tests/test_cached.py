@@ -175,7 +175,7 @@ class TestAgainstKerasHub:
         monkeypatch.setattr(dispatch, "choose_path", recording)
         step = dict(attention_mask=_causal(1, 4, 3), cache=cache,
                     cache_update_index=3)
-        _, step["cache"] = ours(x[:, 3:], x[:, 3:], **step)  # JAX donates
+        _, step["cache"] = ours(x[:, 3:], x[:, 3:], **step)
         jax = keras.backend.backend() == "jax"
         assert seen == [dispatch.EXPLICIT if jax else dispatch.FUSED]
         with dispatch.force_path(dispatch.FUSED):

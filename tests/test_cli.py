@@ -23,6 +23,7 @@ from keras_mha import cli
 from keras_mha.attention import dispatch
 from keras_mha.cli import bench
 from keras_mha.cli import compare
+from keras_mha.cli import decode_bench
 from keras_mha.cli import demo
 from keras_mha.cli import info
 from keras_mha.cli import testrun
@@ -443,10 +444,45 @@ def test_bench_times_alternately():
         "a": 3, "b": 3}
 
 
+def test_bench_decode_times_three_steps(capsys):
+    """`bench --decode`: keras-hub's step, ours with a cache the caller
+    owns and ours in place, in one table with both ratios."""
+    args = cli.build_parser().parse_args(
+        ["bench", "--decode", "--lengths", "16", "--heads", "2",
+         "--key-dim", "4", "--repeats", "1"])
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out
+    assert "one decode step, eager: B=1, 2 heads of 4" in out
+    rows = [[c.strip() for c in line.split("│")[1:-1]]
+            for line in out.splitlines() if re.match(r"^│ +\d", line)]
+    assert len(rows) == 1 and rows[0][:2] == ["16", "15"]
+    slots, position, hub, ours, ratio, in_place, in_place_ratio = rows[0]
+    # Each printed to 3 significant digits.
+    assert float(ratio.rstrip("x")) == pytest.approx(
+        float(hub) / float(ours), rel=0.02)
+    assert float(in_place_ratio.rstrip("x")) == pytest.approx(
+        float(hub) / float(in_place), rel=0.02)
+
+
+def test_bench_decode_steps_compute_the_same():
+    # keras-hub's step and ours get the same weights: the same function.
+    theirs, ours = decode_bench.layers((2, 2, 4))
+    x = np.random.default_rng(0).normal(size=(2, 5, 8)).astype("float32")
+    causal = np.tril(np.ones((5, 5), bool))[None]
+    expected, _ = theirs(x, x, attention_mask=causal,
+                         cache=keras.ops.zeros((2, 2, 5, 2, 4)),
+                         cache_update_index=0)
+    actual, _ = ours(x, x, use_causal_mask=True,
+                     cache=ours.init_cache(2, 5), cache_update_index=0)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(actual),
+                               keras.ops.convert_to_numpy(expected),
+                               atol=1e-5)
+
+
 def test_bench_child_forwards_every_flag():
     flags = ["--batch", "2", "--lengths", "1k,4k", "--heads", "4",
              "--key-dim", "16", "--window", "none,128", "--repeats", "3",
-             "--plot", "a.png", "--causal", "--backward"]
+             "--plot", "a.png", "--causal", "--backward", "--decode"]
     args = cli.build_parser().parse_args(["bench", "--backend", "jax",
                                           *flags])
     assert bench.child_args(args) == flags

@@ -221,13 +221,15 @@ class TestDecoding:
         np.testing.assert_allclose(scores.sum(-1), 1.0, atol=1e-6)
 
     def test_eager_steps_write_in_place(self, rng):
-        """An eager step writes its slots into the cache it was given:
-        torch and TensorFlow return its tensors, JAX donates them; under a
-        TensorFlow gradient tape the write is a copy."""
+        """An eager step writes its slots into an in-place cache
+        (`init_cache(..., in_place=True)`): torch and TensorFlow return its
+        tensors, JAX donates them; under a TensorFlow gradient tape the
+        write is a copy."""
         x = rng.normal(size=(1, 5, 8)).astype("float32")
         layer = make_layer(x, x, num_heads=2, key_dim=4)
         _, cache = layer(x[:, :3], x[:, :3], use_causal_mask=True,
-                         cache=layer.init_cache(1, 5), cache_update_index=0)
+                         cache=layer.init_cache(1, 5, in_place=True),
+                         cache_update_index=0)
 
         def step(cache, index):
             return layer(x[:, index : index + 1], x[:, index : index + 1],

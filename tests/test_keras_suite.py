@@ -1,15 +1,18 @@
-"""Keras's own test file for its layer, run against `keras_mha.MultiHeadAttention`.
+"""Keras's own test files for its attention layers, run against ours.
 
-`keras/src/layers/attention/multi_head_attention_test.py` ships inside the
-installed keras wheel. It is loaded from there at collection time (never copied
-into this repository) as a private module, and its `layers` global is replaced
-by a proxy whose `MultiHeadAttention` is ours and whose every other attribute is
-`keras.src.layers`'s. Nothing in keras itself is patched, so other test modules
-in the same process still see Keras's layer.
+`keras/src/layers/attention/multi_head_attention_test.py` and
+`grouped_query_attention_test.py` ship inside the installed keras wheel. Each
+is loaded from there at collection time (never copied into this repository)
+as a private module, and its `layers` global is replaced by a proxy whose
+`MultiHeadAttention` (or `GroupedQueryAttention`) is keras_mha's and whose
+every other attribute is `keras.src.layers`'s. Nothing in keras itself is
+patched, so other test modules in the same process still see Keras's layers.
 
-Its `testing.TestCase` classes are re-exposed here as subclasses of the same
-name, so the ids read `tests/test_keras_suite.py::MultiHeadAttentionTest::...`.
-A few tests are skipped, each with its reason (see `_skips`).
+Their `testing.TestCase` classes are re-exposed here as subclasses of the
+same name, so the ids read
+`tests/test_keras_suite.py::MultiHeadAttentionTest::...` and
+`tests/test_keras_suite.py::GroupedQueryAttentionTest::...`. A few tests are
+skipped, each with its reason (see `_skips`).
 """
 
 import importlib.util
@@ -25,7 +28,16 @@ from keras.src import layers as keras_layers
 
 import keras_mha
 
-KERAS_TEST_FILE = Path("src", "layers", "attention", "multi_head_attention_test.py")
+KERAS_TEST_DIR = Path("src", "layers", "attention")
+# Keras's test file -> {the name its tests read from `layers`: our class}.
+KERAS_TEST_FILES = {
+    "multi_head_attention_test.py": {
+        "MultiHeadAttention": keras_mha.MultiHeadAttention
+    },
+    "grouped_query_attention_test.py": {
+        "GroupedQueryAttention": keras_mha.GroupedQueryAttention
+    },
+}
 
 # Tests that call or override Keras's private `_compute_attention` hook; our
 # layer has no such hook. Parameterized variants share the method's name as a
@@ -35,8 +47,8 @@ PRIVATE_HOOK_TESTS = (
     "test_causal_only_skipped_for_subclass",
 )
 PRIVATE_HOOK_REASON = (
-    "calls or overrides Keras's private `MultiHeadAttention._compute_attention` "
-    "hook, which keras_mha does not implement"
+    "calls or overrides the private `_compute_attention` hook of Keras's "
+    "layer, which keras_mha does not implement"
 )
 
 # Keras's own marker (registered and handled by the conftest.py of Keras's
@@ -50,8 +62,8 @@ TRAINABLE_REASON = (
 )
 
 
-def _keras_test_path():
-    path = Path(keras.__file__).resolve().parent / KERAS_TEST_FILE
+def _keras_test_path(file_name):
+    path = Path(keras.__file__).resolve().parent / KERAS_TEST_DIR / file_name
     if not path.is_file():
         pytest.fail(
             f"Keras's test file for its layer is missing: {path} does not exist "
@@ -81,29 +93,32 @@ def _register_keras_markers():
 
 
 class _LayersProxy(types.ModuleType):
-    """`keras.src.layers`, except that `MultiHeadAttention` is keras_mha's."""
+    """`keras.src.layers`, except for the names of `replaced` (keras_mha's
+    classes)."""
 
-    MultiHeadAttention = keras_mha.MultiHeadAttention
+    def __init__(self, replaced):
+        super().__init__("keras.src.layers", keras_layers.__doc__)
+        self.__dict__.update(replaced)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # only for names not set on the proxy
         return getattr(keras_layers, name)
 
     def __dir__(self):
-        return sorted(set(dir(keras_layers)) | {"MultiHeadAttention"})
+        return sorted(set(dir(keras_layers)) | set(self.__dict__))
 
 
-def _load_keras_tests():
-    path = _keras_test_path()
+def _load_keras_tests(file_name, replaced):
+    path = _keras_test_path(file_name)
     _register_keras_markers()
-    name = "_keras_suite.multi_head_attention_test"
+    name = "_keras_suite." + Path(file_name).stem
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     # The file did `from keras.src import layers`; its tests look `layers` up
     # in the module's globals when they run, so they now see the proxy.
-    module.layers = _LayersProxy("keras.src.layers", keras_layers.__doc__)
-    return module
+    module.layers = _LayersProxy(replaced)
+    return module, ", ".join(f"keras_mha.{n}" for n in replaced)
 
 
 def _marks(function):
@@ -130,7 +145,7 @@ def _skipped(name, reason):
     return test
 
 
-def _expose(module):
+def _expose(module, ours):
     """Keras's TestCase classes, as same-named subclasses with our skips."""
     exposed = {}
     for name, cls in vars(module).items():
@@ -145,8 +160,8 @@ def _expose(module):
             body["__module__"] = __name__
             body["__qualname__"] = name
             body["__doc__"] = (
-                f"Keras's `{name}` ({KERAS_TEST_FILE.as_posix()}), on "
-                "keras_mha.MultiHeadAttention."
+                f"Keras's `{name}` ({Path(module.__file__).name}), on "
+                f"{ours}."
             )
             exposed[name] = type(cls)(name, (cls,), body)
     if not exposed:
@@ -157,8 +172,8 @@ def _expose(module):
     return exposed
 
 
-_KERAS_TESTS = _load_keras_tests()
-globals().update(_expose(_KERAS_TESTS))
+for _file_name, _replaced in KERAS_TEST_FILES.items():
+    globals().update(_expose(*_load_keras_tests(_file_name, _replaced)))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -175,3 +190,32 @@ def _restore_keras_globals():
     else:
         keras.config.disable_traceback_filtering()
     global_state.set_global_attribute("flash_attention", flash)
+
+
+@pytest.mark.parametrize(
+    "shape, axes", [((2, 5, 8), None), ((2, 3, 4, 8), (2,)), ((2, 3, 4, 8), (1, 2))]
+)
+def test_private_names_as_keras(shape, axes):
+    # Code written for Keras's layer (keras-hub's subclasses, Keras's tests)
+    # reads these private names; they hold what Keras's layer holds.
+    ours = keras_mha.MultiHeadAttention(2, 4, attention_axes=axes)
+    theirs = keras.layers.MultiHeadAttention(2, 4, attention_axes=axes)
+    for layer in (ours, theirs):
+        layer.build(shape, shape)
+    for name in (
+        "_dot_product_equation", "_combine_equation", "_inverse_sqrt_key_dim"
+    ):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    for name in ("_query_dense", "_key_dense", "_value_dense", "_output_dense"):
+        assert getattr(ours, name).kernel.shape == getattr(theirs, name).kernel.shape
+
+
+def test_grouped_private_names_as_keras():
+    ours = keras_mha.GroupedQueryAttention(4, 4, 2)
+    theirs = keras.layers.GroupQueryAttention(4, 4, 2)
+    for layer in (ours, theirs):
+        layer.build((2, 5, 8), (2, 5, 8))
+    for name in (
+        "_dot_product_equation", "_combine_equation", "_inverse_sqrt_head_dim"
+    ):
+        assert getattr(ours, name) == getattr(theirs, name), name

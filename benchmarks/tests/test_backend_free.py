@@ -654,7 +654,7 @@ def test_plan_has_the_decode_cells():
               if u["kind"] in ("floor", "decode")]
     assert list(dict.fromkeys(groups)) == [
         ("ours", "compiled"), ("ours", "eager"), ("keras_hub", "eager"),
-        ("keras_hub", "compiled")]
+        ("keras_hub", "compiled"), ("ours_default", "eager")]
     steps = [(u["impl"], u["cache"], u["slots"], u["mode"], u["position"])
              for u in decode if u["kind"] == "decode"]
     ours = [1, 1024, 16384, 65535]
@@ -669,7 +669,8 @@ def test_plan_has_the_decode_cells():
         cell for m in plan.DECODE_MODES for cell in (
             [("keras_hub", "full", 65536, m, p) for p in ours[1:]]
             + [("keras_hub", "full", 2048, m, 1024)])
-    ]
+    ] + [("ours_default", "full", slots, "eager", 1024)
+         for slots in (65536, 2048)]
     assert steps == expected
     # Every position fits its full cache: index + 1 <= L.
     assert all(p + 1 <= slots for _, cache, slots, _, p in steps
@@ -739,6 +740,7 @@ def test_decode_ratios_and_their_targets():
         ("ours", "full", full, 1024, "eager"): 3e-3,
         ("ours", "full", 2048, 1024, "eager"): 2.5e-3,  # 1.2x
         ("keras_hub", "full", full, 1024, "eager"): 60e-3,  # 20x
+        ("ours_default", "full", full, 1024, "eager"): 10e-3,  # 6x
         ("ours", "full", full, 1, "compiled"): 1e-3,
         ("read", "full", 65535): 2e-3,
         ("ours", "full", full, 65535, "compiled"): 8e-3,  # 1 + 3.5 x 2
@@ -762,6 +764,10 @@ def test_decode_ratios_and_their_targets():
     assert rolling["over_floor_after_fixed"] == pytest.approx(1.5)
     assert "keras_hub_over_this" not in steps[
         "keras_hub", "full", full, 1024]["eager"]
+    default = steps["ours_default", "full", full, 1024]
+    assert default["label"] == "ours (default)"
+    assert default["eager"]["keras_hub_over_this"] == pytest.approx(6.0)
+    assert "compiled" not in default  # compiled steps are alike in both
     generate = {r["impl"]: r for r in decode["generate"]}
     assert generate["ours"]["over_keras_hub"] == pytest.approx(1.25)
     assert generate["ours"]["same_tokens"]
@@ -773,16 +779,20 @@ def test_decode_ratios_and_their_targets():
 
     found = {t["id"]: t for t in report.targets([], ["jax"], (), decode)}
     assert list(found) == ["decode_cache_size", "decode_vs_keras_hub",
+                           "default_decode_vs_keras_hub",
                            "decode_floor", "rolling_decode",
                            "generate_speed", "prefill_ratio"]
     assert {k: t["status"] for k, t in found.items()} == {
         "decode_cache_size": "met", "decode_vs_keras_hub": "met",
+        "default_decode_vs_keras_hub": "met",
         "decode_floor": "not met", "rolling_decode": "not met",
         "generate_speed": "met", "prefill_ratio": "not met"}
     assert found["decode_cache_size"]["detail"] == (
         "jax: 3 ms / 2.5 ms = 1.20x")
     assert found["decode_vs_keras_hub"]["detail"] == (
         "jax: keras-hub 60 ms / ours 3 ms = 20.0x")
+    assert found["default_decode_vs_keras_hub"]["detail"] == (
+        "jax: keras-hub 60 ms / ours 10 ms = 6.0x")
     assert found["decode_floor"]["detail"] == (
         "jax compiled p=65535: 8 ms vs 3 x 2 ms + 1 ms = 7 ms ((t - fixed) "
         "/ floor = 3.50)")

@@ -284,6 +284,7 @@ def test_decode_run_reports_every_step_with_its_ratios(decode_run):
     full, short = spec["full_length"], spec["short_length"]
     for key, row in steps.items():
         row_modes = ([plan.fast_mode(BACKEND)] if row["impl"] == "read"
+                     else ["eager"] if row["impl"] == "ours_default"
                      else modes)
         assert [m for m in plan.DECODE_MODES if m in row] == row_modes, key
         for mode in row_modes:  # tiny sizes, keras-hub installed: all run
@@ -315,6 +316,10 @@ def test_decode_run_reports_every_step_with_its_ratios(decode_run):
                 "time_s"])
         assert "over_first_position" in (
             steps["ours", "rolling", spec["window"], last][mode])
+    default = steps["ours_default", "full", full, first]["eager"]
+    assert default["keras_hub_over_this"] == pytest.approx(
+        steps["keras_hub", "full", full, first]["eager"]["time_s"]
+        / default["time_s"])
     fast = plan.fast_mode(BACKEND)
     step = steps["ours", "full", full, last][fast]
     fixed = steps["ours", "full", full, plan.FIXED_POSITION][fast]
@@ -330,7 +335,7 @@ def test_decode_run_reports_generate_prefill_and_targets(decode_run):
     result, document, out = decode_run
     spec = plan.load_config(None, "quick")["decode"]
     generate = {r["impl"]: r for r in document["decode"]["generate"]}
-    assert set(generate) == set(plan.DECODE_IMPLS)
+    assert set(generate) == set(plan.GENERATE_IMPLS)
     tokens = spec["generate"]["max_length"] - spec["generate"][
         "prompt_length"]
     for row in generate.values():
@@ -367,7 +372,8 @@ def test_decode_run_reports_generate_prefill_and_targets(decode_run):
     assert document["cells"] == [] and document["features"] == []
     assert document["matmul"] == {} and document["fit"] == []
     assert [t["id"] for t in document["targets"]] == [
-        "decode_cache_size", "decode_vs_keras_hub", "decode_floor",
+        "decode_cache_size", "decode_vs_keras_hub",
+        "default_decode_vs_keras_hub", "decode_floor",
         "rolling_decode", "generate_speed", "prefill_ratio"]
     assert {t["status"] for t in document["targets"]} <= {"met", "not met"}
     assert not (out / "bench.png").exists()

@@ -15,12 +15,23 @@ Positions: a full cache stores position `p` in slot `p`. A rolling cache
 slot `p mod w`, so it never grows. Which position a slot holds is derived
 from the write index alone; nothing else is stored.
 
-Writes touch the new slots only, in place where the backend allows
-(`cache_kernels.write_slots`: torch, eager JAX and TensorFlow); `decode.py`
-reads the cache a block of slots at a time, each block one contiguous run.
+Ownership: the caller owns the cache it passes. By default a write is
+functional: it returns new tensors and leaves the ones it was given as
+they were (readable on JAX, unchanged on every backend), as keras-hub's
+layer does. A cache made with
+`in_place=True` (`zeros`, `mark_in_place`) is the layer's to update: its
+tensors are registered here, by identity (weak references: nothing is
+kept alive), and an eager write touches the new slots only, in the
+buffers themselves (`cache_kernels.write_slots`: torch, eager JAX, eager
+TensorFlow); the tensors it returns are registered in turn, so the opt-in
+follows the cache from call to call. Traced writes (`jax.jit`,
+`tf.function`) are functional in both modes; XLA reuses a donated
+buffer. `decode.py` reads the cache a block of slots at a time, each block
+one contiguous run.
 """
 
 import numbers
+import weakref
 
 import keras
 from keras import ops
@@ -46,15 +57,51 @@ def cache_shapes(batch_size, num_slots, num_kv_heads, key_dim, value_dim):
     )
 
 
-def zeros(batch_size, num_slots, num_kv_heads, key_dim, value_dim, dtype):
-    """An empty cache: zero keys and values in `dtype`, no valid slot."""
+def zeros(batch_size, num_slots, num_kv_heads, key_dim, value_dim, dtype,
+          in_place=False):
+    """An empty cache: zero keys and values in `dtype`, no valid slot;
+    with `in_place`, one the layer may update in place
+    (`mark_in_place`)."""
     keys, values, valid = cache_shapes(
         batch_size, num_slots, num_kv_heads, key_dim, value_dim
     )
-    return (
+    cache = (
         ops.zeros(keys, dtype), ops.zeros(values, dtype),
         ops.zeros(valid, "bool"),
     )
+    return mark_in_place(cache) if in_place else cache
+
+
+# id(tensor) -> a weak reference to it: the tensors of in-place caches.
+_IN_PLACE = {}
+
+
+def mark_in_place(cache):
+    """Registers the tensors of `cache` (a tensor or a tuple of tensors) as
+    the layer's to write in place; returns `cache`. Traced tensors, and
+    tensors no in-place kernel serves (NumPy, torch with gradients), are
+    left as they are: their writes stay functional."""
+    for tensor in cache if isinstance(cache, (tuple, list)) else (cache,):
+        if not _writes_in_place_kernel(tensor):
+            continue
+        key = id(tensor)
+        _IN_PLACE[key] = weakref.ref(tensor, lambda _, key=key: _forget(key))
+    return cache
+
+
+def _forget(key):
+    _IN_PLACE.pop(key, None)
+
+
+def is_in_place(cache):
+    """Whether every tensor of `cache` (a tensor or a tuple) is registered
+    by `mark_in_place`."""
+    tensors = cache if isinstance(cache, (tuple, list)) else (cache,)
+    for tensor in tensors:
+        ref = _IN_PLACE.get(id(tensor))
+        if ref is None or ref() is not tensor:
+            return False
+    return True
 
 
 def slot_positions(index, num_slots, rolling, slots=None):
@@ -74,7 +121,9 @@ def slot_positions(index, num_slots, rolling, slots=None):
 
 
 def write(cache, key, value, valid, index, rolling):
-    """Writes `T` new tokens at positions `index .. index+T-1`.
+    """Writes `T` new tokens at positions `index .. index+T-1`: into new
+    tensors, or into the cache's own for an in-place cache (see the
+    module's docstring; the result is registered as in-place too).
 
     Args:
         cache: `(keys, values, valid)`, `(B, L, K, H)`, `(B, L, K, V)`,
@@ -89,6 +138,17 @@ def write(cache, key, value, valid, index, rolling):
         The updated cache. With a rolling cache and `T > L`, only the last
         `L` tokens are kept.
     """
+    result = _write(cache, key, value, valid, index, rolling)
+    if not is_in_place(cache):
+        return result
+    if keras.backend.backend() == "torch":
+        # A ring's select carries the new tokens' gradient history; an
+        # in-place cache holds none (its writes run without gradients).
+        result = tuple(t.detach() if t.requires_grad else t for t in result)
+    return mark_in_place(result)
+
+
+def _write(cache, key, value, valid, index, rolling):
     old_keys, old_values, old_valid = cache
     num_slots, length = old_keys.shape[1], key.shape[1]
     if rolling and length is not None and length > num_slots:
@@ -161,6 +221,10 @@ def _write_run(cache, new, start, axis=1, fits=None, shared=None):
         shape[axis] = new.shape[axis]
         old = ops.slice(cache, indices, tuple(shape))
         new = ops.where(fits, new, old)
+    if keras.backend.backend() == "numpy":
+        # Keras's NumPy `slice_update` assigns into its input: copy, so the
+        # caller's cache stays as it was.
+        cache = ops.copy(cache)
     return ops.slice_update(cache, indices, new)
 
 
@@ -183,6 +247,9 @@ def _guarded(start, length, num_slots, tensors):
     `None` otherwise."""
     if isinstance(start, int) or all(_writes_in_place(t) for t in tensors):
         return start, None
+    value = concrete_int(start)
+    if value is not None:  # eager: `checks.py` checked it
+        return value, None
     return _guard(start, length, num_slots)
 
 
@@ -195,9 +262,16 @@ def _guard(start, length, num_slots):
 
 
 def _writes_in_place(cache):
-    """Whether `cache_kernels.write_slots` writes into `cache` itself (torch
-    without gradients, a concrete JAX array, an eager TensorFlow tensor
-    outside a gradient tape)."""
+    """Whether `cache_kernels.write_slots` writes into `cache` itself: a
+    tensor of an in-place cache (`mark_in_place`) that the kernel serves
+    now (`_writes_in_place_kernel`)."""
+    return is_in_place(cache) and _writes_in_place_kernel(cache)
+
+
+def _writes_in_place_kernel(cache):
+    """Whether `cache_kernels.write_slots` can write into `cache` itself
+    (torch without gradients, a concrete JAX array, an eager TensorFlow
+    tensor outside a gradient tape)."""
     if keras.backend.backend() not in ("torch", "jax", "tensorflow"):
         return False
     import keras_mha.attention.cache_kernels as cache_kernels
@@ -211,8 +285,8 @@ def write_pair(cache, key, value, index, halves=True):
 
     Returns:
         `(cache, keys, values)`: the updated cache and its `(B, S, K, H)`
-        keys and values. Where the write is in place (torch, eager JAX and
-        TensorFlow) or `halves` is false, keys and values are `None`: the
+        keys and values. Where the write is in place (an in-place cache,
+        `mark_in_place`, in an eager call) or `halves` is false, keys and values are `None`: the
         cache's halves hold them, sliced only where needed (an eager
         TensorFlow slice copies). Elsewhere (traced, for a step that reads
         the whole cache) the keys and the values are written separately
@@ -226,6 +300,12 @@ def write_pair(cache, key, value, index, halves=True):
         faster of the two in a compiled `generate`; on JAX the guarded
         write is.
     """
+    result = _write_pair(cache, key, value, index, halves)
+    return (mark_in_place(result[0]) if is_in_place(cache) else result[0],
+            *result[1:])
+
+
+def _write_pair(cache, key, value, index, halves):
     key, value = ops.cast(key, cache.dtype), ops.cast(value, cache.dtype)
     if (
         halves and key.shape[1] == 1 and not isinstance(index, int)

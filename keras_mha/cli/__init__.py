@@ -172,6 +172,12 @@ def build_parser():
     bench.add_argument("--backward", action="store_true",
                        help="time forward+backward: the gradients with "
                        "respect to the input and the weights")
+    bench.add_argument("--decode", action="store_true",
+                       help="time one eager decode step instead: keras-hub's "
+                       "CachedMultiHeadAttention, ours with a cache the "
+                       "caller owns (the default) and ours with an in-place "
+                       "cache, at p=1k in caches of --lengths slots "
+                       "(default 64k)")
     bench.add_argument("--repeats", type=positive_int, metavar="R",
                        help="timed calls of each layer (default 10)")
     bench.add_argument("--plot", metavar="FILE.png",

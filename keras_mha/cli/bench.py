@@ -46,7 +46,7 @@ _SUFFIXES = {"k": 2**10, "m": 2**20}
 # Flags passed on to a child process (`--backend`) as given.
 _FLAGS = ("batch", "lengths", "heads", "key_dim", "window", "repeats",
           "plot")
-_SWITCHES = ("causal", "backward")
+_SWITCHES = ("causal", "backward", "decode")
 
 
 def child_args(args):
@@ -253,6 +253,10 @@ def run(args):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
                                TextColumn, TimeElapsedColumn)
 
+    if getattr(args, "decode", False):
+        from keras_mha.cli.decode_bench import run as run_decode
+
+        return run_decode(args, parse_sizes, time_alternately, device_name())
     lengths = parse_sizes(args.lengths or "1k,4k", "lengths")
     windows = parse_sizes(args.window or "none", "window", allow_none=True)
     repeats = args.repeats or 10
