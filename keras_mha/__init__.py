@@ -19,8 +19,10 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it.
 _EXPORTS = {
     "CachedMultiHeadAttention": "keras_mha.cached",
+    "ContextParallel": "keras_mha.distribution",
     "GroupedQueryAttention": "keras_mha.grouped",
     "MultiHeadAttention": "keras_mha.layer",
+    "MultiHeadLatentAttention": "keras_mha.latent",
     "RotaryEmbedding": "keras_mha.rotary",
     "from_keras": "keras_mha.convert",
     "from_torch": "keras_mha.convert",
@@ -32,9 +34,11 @@ __all__ = sorted(_EXPORTS)
 if typing.TYPE_CHECKING:  # for static readers: type checkers, the API docs
     from keras_mha.cached import CachedMultiHeadAttention
     from keras_mha.convert import from_keras
+    from keras_mha.distribution import ContextParallel
     from keras_mha.convert import from_torch
     from keras_mha.distribution import layout_map
     from keras_mha.grouped import GroupedQueryAttention
+    from keras_mha.latent import MultiHeadLatentAttention
     from keras_mha.layer import MultiHeadAttention
     from keras_mha.rotary import RotaryEmbedding
 

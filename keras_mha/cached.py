@@ -143,6 +143,8 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             training,
             return_attention_scores,
         )
+        if cache is not None:  # its cache is read whole on one device
+            spec = spec.replace(sharding=None)
         # The position-following step, which reads the slots below the
         # limit; a cache of one block or less is read whole (below).
         stepped = (

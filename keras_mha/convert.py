@@ -39,7 +39,8 @@ def from_torch(module_or_state_dict, **layer_kwargs):
     Qwen2, Gemma 2, gpt-oss, Phi-3, SmolLM3, Cohere2, Qwen3, Gemma 3,
     OLMo 2 and Llama 4 (see
     `keras_mha.huggingface.from_transformers` for the classes and what is
-    read).
+    read), and DeepSeek V3's `DeepseekV3Attention`, which it returns as a
+    `keras_mha.MultiHeadLatentAttention`.
 
     Query, key and value projections (packed `in_proj_weight`, or
     `q_proj_weight`/`k_proj_weight`/`v_proj_weight` when `kdim`/`vdim`

@@ -10,6 +10,7 @@ import keras
 from keras import ops
 
 from keras_mha import checks
+from keras_mha import distribution as distribution_lib
 from keras_mha.attention import dispatch
 from keras_mha.attention import logits as logits_lib
 from keras_mha.attention import spec as spec_lib
@@ -58,6 +59,7 @@ def describe(
         else None,
         segment_ids=segment_ids,
         key_segment_ids=key_segment_ids,
+        sharding=distribution_lib.context_plan(),
     )
 
 

@@ -72,3 +72,154 @@ def layout_map(device_mesh, model_axis="model", layer_name=None, into=None):
     into[f"{prefix}{heads}/bias"] = (model_axis,)  # (N|K, H|V)
     into[f"{prefix}attention_output/kernel"] = (model_axis,)  # (N, V, E)
     return into
+
+
+class ContextParallel(keras.distribution.ModelParallel):
+    """Context parallelism: one sequence sharded over devices (JAX).
+
+    The data layout shards inputs `(B, T, ...)` over `batch_dim_name` on
+    axis 0 and `context_dim_name` on axis 1, so each device holds `T / P`
+    tokens of every activation (`P`, the size of the context axis).
+    Token-wise layers (dense, norms, embeddings) need no communication;
+    our attention layers read the active distribution and exchange only
+    what attention needs (see the docs' "Scaling out"):
+
+    - a sliding window `(left, right)` receives the `left` keys and values
+      before each shard and the `right` after it from its neighbours (a
+      halo, O(w) per device whatever `T` is), then attends locally;
+    - other calls without a dense mask or bias pass key/value blocks
+      around a ring with an online softmax; causal self-attention is laid
+      out in zig-zag order inside the layer, so every device does the same
+      work (the caller still sees tokens in their natural order);
+    - a decoding cache from `init_cache` under the distribution has its
+      slots sharded over the context axis (a full cache that `P`
+      divides), and each step merges the devices' partial results by
+      their log-sum-exps;
+    - calls none of these serve (returned weights, dropout, a dense mask
+      or bias) run on the whole sequence, which XLA gathers.
+
+    Positions stay global: masks, windows, rotary angles and ALiBi use each
+    token's absolute position, whichever device holds it. Outputs and
+    gradients are those of one device. Variables follow `layout_map`
+    (`keras_mha.layout_map` shards heads over a third mesh axis) and are
+    replicated otherwise.
+
+    Keras's distribution API runs on JAX only: a layer called under this
+    distribution on another backend raises `NotImplementedError`.
+
+    Args:
+        device_mesh: a `keras.distribution.DeviceMesh` with the axes
+            `batch_dim_name` and `context_dim_name` (and any others the
+            `layout_map` uses).
+        context_dim_name: the mesh axis the sequence is sharded over.
+        batch_dim_name: the mesh axis the batch is sharded over.
+        layout_map: a `keras.distribution.LayoutMap` on `device_mesh` for
+            the variables; every variable is replicated if `None`.
+
+    Raises:
+        ValueError: if an axis name is not in `device_mesh`, the two names
+            are the same, or `layout_map` is on another mesh; when called,
+            if `P` does not divide a sequence length (`2P` for causal
+            self-attention, which runs in zig-zag order).
+    """
+
+    def __init__(self, device_mesh, context_dim_name="context",
+                 batch_dim_name="batch", layout_map=None):
+        names = list(device_mesh.axis_names)
+        for argument, name in (("context_dim_name", context_dim_name),
+                               ("batch_dim_name", batch_dim_name)):
+            if name not in names:
+                raise ValueError(
+                    f"`{argument}` must be an axis of `device_mesh`. "
+                    f"Received: {argument}={name!r}, "
+                    f"device_mesh.axis_names={names}"
+                )
+        if context_dim_name == batch_dim_name:
+            raise ValueError(
+                "`context_dim_name` and `batch_dim_name` must differ. "
+                f"Received: context_dim_name={context_dim_name!r}, "
+                f"batch_dim_name={batch_dim_name!r}"
+            )
+        if layout_map is None:
+            layout_map = keras.distribution.LayoutMap(device_mesh)
+        elif layout_map.device_mesh is not device_mesh:
+            raise ValueError(
+                "`layout_map` must be a `LayoutMap` on `device_mesh`. "
+                f"Received: layout_map.device_mesh={layout_map.device_mesh}, "
+                f"device_mesh={device_mesh}"
+            )
+        super().__init__(layout_map=layout_map, batch_dim_name=batch_dim_name)
+        self._context_dim_name = context_dim_name
+
+    @property
+    def context_dim_name(self):
+        """The mesh axis the sequence is sharded over."""
+        return self._context_dim_name
+
+    @property
+    def context_size(self):
+        """`P`, the number of shards of the sequence."""
+        mesh = self.device_mesh
+        return mesh.shape[list(mesh.axis_names).index(self._context_dim_name)]
+
+    def get_data_layout(self, data_shape):
+        """Axis 0 over the batch axis; axis 1 over the context axis when
+        the data has one that the context axis divides."""
+        axes = [None] * len(data_shape)
+        axes[0] = self.batch_dim_name
+        if len(data_shape) >= 2 and data_shape[1] is not None and (
+            data_shape[1] % self.context_size == 0
+        ):
+            axes[1] = self._context_dim_name
+        return keras.distribution.TensorLayout(axes, self.device_mesh)
+
+
+def context_plan():
+    """The active `ContextParallel`'s plan for attention, or `None`.
+
+    Raises:
+        NotImplementedError: under a `ContextParallel` on a backend other
+            than JAX.
+    """
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, ContextParallel):
+        return None
+    backend = keras.backend.backend()
+    if backend != "jax":
+        raise NotImplementedError(
+            "`keras_mha.ContextParallel` runs on the JAX backend only: "
+            "Keras's distribution API is JAX-only. Received: "
+            f"backend={backend!r}"
+        )
+    from keras_mha.attention.sharded import ContextPlan
+
+    return ContextPlan(
+        mesh=distribution.device_mesh.backend_mesh,
+        batch_axis=distribution.batch_dim_name,
+        context_axis=distribution.context_dim_name,
+        size=distribution.context_size,
+    )
+
+
+def shard_cache(cache, rolling):
+    """A new decoding cache laid out for the active distribution.
+
+    Under a `ContextParallel`, a full cache whose slots the context axis
+    divides is sharded like the tokens: `(B, L, ...)` over the batch and
+    context axes, so each device holds `L / P` slots. Otherwise (no such
+    distribution, a rolling cache of `w` slots) `cache` itself.
+    """
+    distribution = keras.distribution.distribution()
+    if (
+        not isinstance(distribution, ContextParallel)
+        or rolling
+        or keras.backend.backend() != "jax"
+        or cache[0].shape[1] % distribution.context_size
+    ):
+        return cache
+    return tuple(
+        keras.distribution.distribute_tensor(
+            part, distribution.get_data_layout(part.shape)
+        )
+        for part in cache
+    )

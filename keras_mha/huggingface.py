@@ -55,6 +55,8 @@ class Family:
             Llama 4).
         temperature: whether the NoPE layers scale their queries by
             position when `config.attn_temperature_tuning` (Llama 4).
+        latent: whether the module is multi-head latent attention
+            (DeepSeek V3), imported as `MultiHeadLatentAttention`.
     """
 
     window: str = None
@@ -66,6 +68,7 @@ class Family:
     norm_offset: float = 0.0
     chunks: bool = False
     temperature: bool = False
+    latent: bool = False
 
 
 # (module path, class) -> its family.
@@ -94,6 +97,8 @@ FAMILIES = {
     ("transformers.models.llama4.modeling_llama4", "Llama4TextAttention"):
         Family(rope_layers="no_rope_layers", interleaved=True,
                qk_norm="weightless", chunks=True, temperature=True),
+    ("transformers.models.deepseek_v3.modeling_deepseek_v3",
+     "DeepseekV3Attention"): Family(latent=True),
 }
 
 
@@ -117,8 +122,10 @@ def from_transformers(module, **layer_kwargs):
     `Gemma2Attention`, `GptOssAttention`, `Phi3Attention`,
     `SmolLM3Attention`, `Cohere2Attention`, `Qwen3Attention`,
     `Gemma3Attention`, `Olmo2Attention` and `Llama4TextAttention` (the
-    classes themselves, not subclasses). Read from the module and its `config`, for the module's
-    `layer_idx`:
+    classes themselves, not subclasses). Read from the module and its
+    `config`, for the module's `layer_idx`, as below. `DeepseekV3Attention`
+    gives a `MultiHeadLatentAttention` instead (`_latent_from_transformers`
+    says what is read):
 
     - heads: `config.num_attention_heads`, `config.num_key_value_heads` and
       `module.head_dim` (`config.head_dim`, or `hidden_size // heads`).
@@ -200,6 +207,8 @@ def from_transformers(module, **layer_kwargs):
     config = module.config
     name = type(module).__qualname__
     family = _family(module)
+    if family.latent:
+        return _latent_from_transformers(module, name, **layer_kwargs)
     num_heads = int(config.num_attention_heads)
     num_kv_heads = int(config.num_key_value_heads)
     head_dim = int(module.head_dim)
@@ -418,3 +427,94 @@ def _check_fixed_kwargs(layer_kwargs, name, fixed):
                 f"`{argument}` is fixed by the {name} module to {shown}. "
                 f"Received: {argument}={layer_kwargs[argument]!r}"
             )
+
+
+def _latent_from_transformers(module, name, **layer_kwargs):
+    """`DeepseekV3Attention` -> `MultiHeadLatentAttention` (see
+    `from_transformers`).
+
+    Read: the heads and sizes (`num_attention_heads`, `q_lora_rank`, which
+    is `None` for DeepSeek V2-Lite's direct query, `kv_lora_rank`,
+    `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`), the weights of
+    `q_proj` (or `q_a_proj`, `q_a_layernorm`, `q_b_proj`),
+    `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj` and `o_proj`, the
+    norms' epsilon, `module.scaling` (with YaRN's `mscale_all_dim`
+    squared in it) as `scale`, the rope parameters for `qk_rope_head_dim`
+    features (YaRN's `mscale` and `mscale_all_dim` as its
+    `attention_factor`), and `rope_interleave` as `interleaved=True`: the
+    module turns the pairs `(2i, 2i + 1)` and lays the result out as two
+    halves, the same rotation in another order, which a query's product
+    with a key does not see. With `attention_bias`, the projections of the
+    input and the output have biases (zeros where the module has none: its
+    `q_proj`).
+    """
+    # Deferred: `keras_mha.latent` is not needed by the other families.
+    from keras_mha.latent import MultiHeadLatentAttention
+
+    config = module.config
+    num_heads = int(config.num_attention_heads)
+    hidden_size = int(config.hidden_size)
+    q_rank = module.q_lora_rank
+    q_rank = None if q_rank is None else int(q_rank)
+    rank = int(module.kv_lora_rank)
+    nope, rope = int(module.qk_nope_head_dim), int(module.qk_rope_head_dim)
+    v_dim = int(module.v_head_dim)
+    use_bias = bool(getattr(config, "attention_bias", False))
+    rotary = rope_parameters.rotary_embedding(
+        config, rope, name,
+        interleaved=bool(getattr(config, "rope_interleave", False)),
+    )
+    fixed = dict(
+        num_heads=num_heads,
+        kv_lora_rank=rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v_dim,
+        q_lora_rank=q_rank,
+        rotary_embedding=rotary,
+        scale=float(module.scaling),
+        use_bias=use_bias,
+        norm_epsilon=float(module.kv_a_layernorm.variance_epsilon),
+        sliding_window=None,
+    )
+    _check_fixed_kwargs(layer_kwargs, name, fixed)
+    layer_kwargs.setdefault("dropout", float(config.attention_dropout))
+    layer = MultiHeadLatentAttention(**{**layer_kwargs, **fixed})
+    shape = (None, None, hidden_size)
+    layer.build(shape, shape)
+
+    def weights(dense, kernel_shape, bias_shape=None):
+        # torch: y = x @ W.T + b.
+        kernel = host.to_numpy(dense.weight).T.reshape(kernel_shape)
+        if bias_shape is None or not use_bias:
+            return [kernel]
+        if dense.bias is None:
+            return [kernel, np.zeros(bias_shape, kernel.dtype)]
+        return [kernel, host.to_numpy(dense.bias).reshape(bias_shape)]
+
+    query_heads = (num_heads, nope + rope)
+    if q_rank is None:
+        layer._query_dense.set_weights(
+            weights(module.q_proj, (hidden_size, *query_heads), query_heads)
+        )  # (E, N, Hn + P)
+    else:
+        layer._query_a.set_weights(
+            weights(module.q_a_proj, (hidden_size, q_rank), (q_rank,))
+        )  # (E, Rq)
+        layer._query_norm.set_weights(
+            [host.to_numpy(module.q_a_layernorm.weight)]
+        )
+        layer._query_b.set_weights(
+            weights(module.q_b_proj, (q_rank, *query_heads))
+        )  # (Rq, N, Hn + P)
+    layer._kv_a.set_weights(weights(
+        module.kv_a_proj_with_mqa, (hidden_size, rank + rope), (rank + rope,)
+    ))  # (E, R + P)
+    layer._kv_norm.set_weights([host.to_numpy(module.kv_a_layernorm.weight)])
+    layer._kv_b.set_weights(
+        weights(module.kv_b_proj, (rank, num_heads, nope + v_dim))
+    )  # (R, N, Hn + V)
+    layer._output_dense.set_weights(weights(
+        module.o_proj, (num_heads, v_dim, hidden_size), (hidden_size,)
+    ))  # (N, V, E)
+    return layer

@@ -11,6 +11,7 @@ from keras import ops
 
 from keras_mha import checks
 from keras_mha import describe as describe_lib
+from keras_mha import distribution as distribution_lib
 from keras_mha import projections
 from keras_mha.attention import attend
 from keras_mha.attention import attend_cached
@@ -513,13 +514,12 @@ class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
                 owns the cache.
 
         Returns:
-            A tuple `(keys, values, valid)` (see
-            `keras_mha.attention.cache`): `keys` `(B, L, K, H)` and
-            `values` `(B, L, K, V)` in the layer's compute dtype, and
-            `valid` `(B, L)` boolean, true in the slots where a real
-            (unpadded) token was written. `L` is `max_length`, or
-            `left + 1` (`w`) when rolling. A call returns a cache of the
-            same structure.
+            `(keys, values, valid)` (see `keras_mha.attention.cache`):
+            `keys` `(B, L, K, H)` and `values` `(B, L, K, V)` in the
+            layer's compute dtype, `valid` `(B, L)` boolean, true in the
+            slots where a real (unpadded) token was written. `L` is
+            `max_length`, or `left + 1` (`w`) when rolling. A call returns
+            a cache of the same structure (sharded under `ContextParallel`).
 
         By default a call never deletes, donates or writes into the cache
         it is given: it returns a new one, as Keras and keras-hub do. With
@@ -533,10 +533,10 @@ class MultiHeadAttention(KerasPrivateNames, keras.layers.Layer):
         checks.positive_int("max_length", max_length)
         checks.boolean("in_place", in_place)
         slots = self._rolling_slots if self.rolling_cache else max_length
-        return cache_lib.zeros(
+        return distribution_lib.shard_cache(cache_lib.zeros(
             batch_size, slots, self._num_key_value_heads, self._key_dim,
             self._value_dim, self.compute_dtype, in_place=in_place,
-        )
+        ), self.rolling_cache)
 
     # ----------------------------------------------------------------- shapes
 

@@ -32,7 +32,7 @@ INSTALLED = tuple(
 FORMATS = ("keras", "weights.h5")
 BATCH, FEATURES = 2, 8
 # name -> sequence length; "banded" is long enough for the banded path.
-LENGTHS = {"plain": 6, "banded": 256, "grouped": 6}
+LENGTHS = {"plain": 6, "banded": 256, "grouped": 6, "latent": 6}
 WINDOW = 16
 
 
@@ -48,6 +48,14 @@ def build_model(name):
     elif name == "banded":
         attention = keras_mha.MultiHeadAttention(
             num_heads=2, key_dim=4, sliding_window=WINDOW, **zeros
+        )
+        h = attention(x, x, use_causal_mask=True)
+    elif name == "latent":
+        attention = keras_mha.MultiHeadLatentAttention(
+            num_heads=2, kv_lora_rank=4, qk_nope_head_dim=2,
+            qk_rope_head_dim=2, v_head_dim=3, q_lora_rank=3,
+            rotary_embedding=keras_mha.RotaryEmbedding(interleaved=True),
+            **zeros,
         )
         h = attention(x, x, use_causal_mask=True)
     else:
@@ -128,7 +136,9 @@ def test_loads_here(saved, source, name, fmt):
         model = build_model(name)
         model.load_weights(folder / f"{name}.weights.h5")
     attention = model.layers[1]
-    assert type(attention).__module__ in ("keras_mha.layer", "keras_mha.grouped")
+    assert type(attention).__module__ in (
+        "keras_mha.layer", "keras_mha.grouped", "keras_mha.latent"
+    )
     output = keras.ops.convert_to_numpy(model(inputs(name)))
     np.testing.assert_allclose(
         output, np.load(folder / f"{name}.npy"), atol=1e-5, rtol=1e-5
@@ -145,6 +155,7 @@ def test_registered_names_in_the_archive(saved):
     for name, class_name in (
         ("plain", "MultiHeadAttention"),
         ("grouped", "GroupedQueryAttention"),
+        ("latent", "MultiHeadLatentAttention"),
     ):
         with zipfile.ZipFile(saved[current] / f"{name}.keras") as archive:
             config = archive.read("config.json").decode()

@@ -235,7 +235,8 @@ public = {name: getattr(keras_mha, name).__module__
 import keras
 registered = sorted(
     name for name in ("MultiHeadAttention", "CachedMultiHeadAttention",
-                      "GroupedQueryAttention", "RotaryEmbedding")
+                      "GroupedQueryAttention", "MultiHeadLatentAttention",
+                      "RotaryEmbedding")
     if keras.saving.get_registered_object("keras_mha>" + name) is not None)
 print(json.dumps({"alone": alone, "missing": missing,
                   "version": keras_mha.__version__,
@@ -252,8 +253,10 @@ def test_the_package_loads_its_names_on_first_use():
     assert found["version"] == "0.1.0"
     assert found["public"] == {
         "CachedMultiHeadAttention": "keras_mha.cached",
+        "ContextParallel": "keras_mha.distribution",
         "GroupedQueryAttention": "keras_mha.grouped",
         "MultiHeadAttention": "keras_mha.layer",
+        "MultiHeadLatentAttention": "keras_mha.latent",
         "RotaryEmbedding": "keras_mha.rotary",
         "from_keras": "keras_mha.convert",
         "from_torch": "keras_mha.convert",
@@ -263,7 +266,9 @@ def test_the_package_loads_its_names_on_first_use():
     # One name read registered every layer with Keras's serialization.
     assert found["registered"] == ["CachedMultiHeadAttention",
                                    "GroupedQueryAttention",
-                                   "MultiHeadAttention", "RotaryEmbedding"]
+                                   "MultiHeadAttention",
+                                   "MultiHeadLatentAttention",
+                                   "RotaryEmbedding"]
 
 
 def test_static_imports_of_the_package_match_its_exports():

@@ -18,6 +18,10 @@ masks from the spec with the position rule of `masks.py`:
   `cache_kernels.py` the cache's in-place writes and `decode_kernels.py`
   the eager decode step's (torch's fused kernel over the slots; on
   TensorFlow and JAX the step compiled as one function);
+- `sharded.py`: the routes of a sequence sharded over devices
+  (`keras_mha.ContextParallel`): the halo exchange for windows, and
+  `ring.py`, ring attention, with `partials.py`, the merge of attention
+  over parts of the keys;
 - `tuning.py`: the numbers the rule and the algorithms read, per backend
   and platform.
 
@@ -26,6 +30,7 @@ Nothing here imports the layer or the command line.
 
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import dispatch
+from keras_mha.attention import sharded
 from keras_mha.attention import tuning
 from keras_mha.attention.banded import banded_attention
 from keras_mha.attention.blocked import blocked_attention
@@ -50,9 +55,20 @@ def attend(query, key, value, spec):
         `(output, weights)`: `(B, T, N, V)` in the query's dtype, and the
         `(B, N, T, S)` weights when `spec.return_weights` (else `None`).
     """
+    shapes = dispatch.Shapes.of(query, key, value)
+    if spec.sharding is not None:
+        route = dispatch.context_route(spec, shapes)
+        zigzag = route == dispatch.RING and sharded.uses_zigzag(spec, shapes)
+        if route is not None:
+            sharded.check_lengths(spec.sharding, shapes.query_length,
+                                  shapes.key_length, zigzag)
+        if route == dispatch.HALO:
+            return sharded.halo_attention(query, key, value, spec, attend), None
+        if route == dispatch.RING:
+            return sharded.ring_route(query, key, value, spec, zigzag), None
+        spec = spec.replace(sharding=None)
     path = dispatch.choose_path(
-        spec, dispatch.Shapes.of(query, key, value),
-        platform=tuning.device_platform(query),
+        spec, shapes, platform=tuning.device_platform(query),
     )
     if path == dispatch.EXPLICIT:
         output, weights = explicit_attention(query, key, value, spec)
@@ -71,7 +87,10 @@ def attend(query, key, value, spec):
 def attend_cached(query, key, value, spec, cache, index, rolling):
     """Attention of a decoding call, and the cache after its write.
 
-    Three routes, all with the same numbers (`dispatch.cache_route`):
+    Three routes, all with the same numbers (`dispatch.cache_route`);
+    under `keras_mha.ContextParallel` a full cache whose slots are sharded
+    takes `in_place` as `sharded.cached_decode` (each device reads its own
+    slots):
 
     - `"prompt"`: a Python index 0 (an empty cache): the tokens attend to
       themselves on any path (`banded` for a window, the causal kernels
@@ -97,6 +116,15 @@ def attend_cached(query, key, value, spec, cache, index, rolling):
         old slots, then the new tokens) when `spec.return_weights`.
     """
     route = dispatch.cache_route(spec, query.shape[1], index, rolling)
+    if route == dispatch.IN_PLACE and sharded.shards_cache(
+        spec.sharding, cache, rolling
+    ):
+        output, new_cache = sharded.cached_decode(
+            query, key, value, spec, cache, index
+        )
+        return output, None, new_cache
+    if route != dispatch.PROMPT:  # the rest reads the whole cache
+        spec = spec.replace(sharding=None)
     if route == dispatch.PROMPT:
         output, weights = attend(query, key, value, spec)
         new_cache = cache_lib.write(cache, key, value, spec.key_mask, 0,

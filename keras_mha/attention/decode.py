@@ -42,6 +42,10 @@ import keras_mha.attention.tuning as tuning
 
 FLAGGED = "flagged"  # ours: (keys, values, valid), see `cache.py`
 PAIR = "pair"  # keras-hub's: (B, 2, L, K, H), keys at [:, 0], values at [:, 1]
+# Multi-head latent attention's: (latents (B, L, R), rope_keys (B, L, P),
+# valid (B, L)), read as one key/value head: keys `[latent, rope_key]`
+# (size R + P), values the latents (size R); see `latent.py`.
+LATENT = "latent"
 
 PORTABLE = "portable"  # the loop over key blocks, `keras.ops` only
 NATIVE = "native"  # eager steps: torch's fused kernel; TF, JAX compiled
@@ -86,7 +90,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         rolling: whether slot = position mod L (then `T = 1`).
         block_size: keys per block `b` of a full cache;
             `block_size_for()` if `None`.
-        layout: `FLAGGED` or `PAIR`.
+        layout: `FLAGGED`, `PAIR` or `LATENT` (one key/value head).
         limit: no slot at or after it is read; the last query's position
             plus 1 if `None`.
         implementation: `"portable"` (the block loop, op by op in an
@@ -114,6 +118,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         )
     out_dtype = query.dtype
     pair = layout == PAIR
+    latent = layout == LATENT
     num_slots = _num_slots(cache, pair)
     if block_size is None:
         block_size = block_size_for()
@@ -122,8 +127,11 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
     dtype = query.dtype
     batch, t_len = ops.shape(query)[0], query.shape[1]
     num_heads, key_dim = query.shape[2], query.shape[3]
-    num_kv = cache.shape[3] if pair else cache[0].shape[2]
-    value_dim = cache.shape[4] if pair else cache[1].shape[3]
+    if latent:
+        num_kv, value_dim = 1, cache[0].shape[2]
+    else:
+        num_kv = cache.shape[3] if pair else cache[0].shape[2]
+        value_dim = cache.shape[4] if pair else cache[1].shape[3]
     groups = num_heads // num_kv
     q = ops.multiply(query, ops.cast(spec.scale, dtype))
     q = ops.reshape(q, (batch, t_len, num_kv, groups, key_dim))
@@ -161,7 +169,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         )
         out = _native_step(
             q, cache, size, limit, query_positions, query_mask, spec, rolling,
-            pair, slopes, dense, sinks,
+            layout, slopes, dense, sinks,
         )
         return _heads_back(out, out_dtype)
     shape = (batch, num_kv, groups, t_len)
@@ -176,7 +184,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
     # a copy (measured in eager steps at p = 64k: 56 ms packed, 41 ms not).
     packed = t_len == 1 and keras.backend.backend() != "torch"
     chunks = _whole_chunks(num_slots, block) if (
-        packed and not pair and not rolling and blocks is None
+        packed and layout == FLAGGED and not rolling and blocks is None
     ) else None
     extra = ()
     if slopes is not None:
@@ -188,7 +196,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
     constants = (q, cache, limit, query_positions, query_mask) + extra
     cond, body = _loop(
         block, num_slots, rolling, spec.causal, spec.window, spec.soft_cap,
-        slopes is not None, dense is not None, pair,
+        slopes is not None, dense is not None, layout,
         (num_kv, groups) if packed else None,
     )
     if chunks is not None:
@@ -196,7 +204,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         # loop's copies of each block (`decode_whole_from`).
         whole = _loop(
             num_slots, num_slots, rolling, spec.causal, spec.window,
-            spec.soft_cap, slopes is not None, dense is not None, pair,
+            spec.soft_cap, slopes is not None, dense is not None, layout,
             (num_kv, groups), chunks,
         )[1]
         state = ops.cond(
@@ -293,15 +301,15 @@ def _takes_native(implementation, blocks, q, num_slots, slopes, dense):
 
 
 def _native_step(q, cache, size, limit, query_positions, query_mask, spec,
-                 rolling, pair, slopes, dense, sinks):
+                 rolling, layout, slopes, dense, sinks):
     """`(B, K, G, T, V)`: the step over slots `[0, size)` at once, with
     torch's fused kernel (`decode_kernels.decode_core`); the keys and the
     values are strided views of the cache, never copied."""
     import keras_mha.attention.decode_kernels as decode_kernels
 
-    keys, values, written = _slots(cache, 0, size, pair, q.dtype)
+    keys, values, written = _slots(cache, 0, size, layout, q.dtype)
     positions = cache_lib.slot_positions(
-        limit, _num_slots(cache, pair), rolling,
+        limit, _num_slots(cache, layout == PAIR), rolling,
         ops.arange(size, dtype="int32"),
     )
     mask = _slot_mask(query_positions, positions, written, query_mask,
@@ -318,18 +326,24 @@ def _native_step(q, cache, size, limit, query_positions, query_mask, spec,
     return masks_lib.zero_empty_rows(out, has_key)
 
 
-def _slots(cache, start, size, pair, dtype):
+def _slots(cache, start, size, layout, dtype):
     """`(keys, values, written)` of slots `[start, start + size)` of either
     layout: `(B, b, K, H)` and `(B, b, K, V)` in `dtype`, and `(B|1, b)`
     booleans (every slot of keras-hub's cache counts as written). On torch
     the keys and the values are views of the cache."""
-    if pair:
+    if layout == PAIR:
         batch = ops.shape(cache)[0]
         slots = ops.slice(
             cache, (0, 0, start, 0, 0), (batch, 2, size) + tuple(cache.shape[3:])
         )  # (B, 2, b, K, H)
         keys, values = slots[:, 0], slots[:, 1]
         written = ops.ones((1, size), "bool")
+    elif layout == LATENT:
+        latents, rope_keys, written = (
+            _run(part, start, size) for part in cache
+        )  # (B, b, R), (B, b, P), (B, b)
+        keys = ops.concatenate([latents, rope_keys], axis=-1)[:, :, None]
+        values = latents[:, :, None]  # (B, b, 1, R)
     else:
         keys, values, written = (_run(part, start, size) for part in cache)
     return ops.cast(keys, dtype), ops.cast(values, dtype), written
@@ -359,12 +373,13 @@ def _slot_mask(query_positions, positions, written, query_mask, causal,
 
 @functools.lru_cache(maxsize=64)
 def _loop(block, num_slots, rolling, causal, window, soft_cap, use_alibi,
-          use_dense, pair, packed, chunks=None):
+          use_dense, layout, packed, chunks=None):
     """`(cond, body)` of the loop over key blocks, one pair per geometry and
     choice of features: `jax.lax.while_loop` caches its trace on them.
     `packed`: `(K, G)` when the query is `_packed_query`'s. `chunks`: the
     body reads every slot (`block = L`) and sums its weighted values over
     that many chunks of them (`_whole_chunks`)."""
+    pair, latent = layout == PAIR, layout == LATENT
 
     def cond(i, top, total, numerator, *constants):
         limit = constants[2]
@@ -385,6 +400,14 @@ def _loop(block, num_slots, rolling, causal, window, soft_cap, use_alibi,
             rows = ops.cast(ops.reshape(slots, (batch, 2, block, -1)), q.dtype)
             keys, values = rows[:, 0], rows[:, 1]  # (B, b, K·H)
             written = ops.ones((1, block), "bool")
+        elif packed and latent:
+            latents, rope_keys, written = (
+                _run(part, start, block) for part in cache
+            )  # (B, b, R), (B, b, P), (B, b)
+            # Two products, one per part, read each where it lies: no
+            # concatenated copy of the keys.
+            keys = tuple(ops.cast(x, q.dtype) for x in (latents, rope_keys))
+            values = keys[0]
         elif packed:
             keys, values, written = (
                 part if chunks is not None else _run(part, start, block)
@@ -395,13 +418,20 @@ def _loop(block, num_slots, rolling, causal, window, soft_cap, use_alibi,
                 for x in (keys, values)
             )  # (B, b, K·H), (B, b, K·V)
         else:
-            keys, values, written = _slots(cache, start, block, pair,
+            keys, values, written = _slots(cache, start, block, layout,
                                            q.dtype)
         slot = start + ops.arange(block, dtype="int32")
         positions = cache_lib.slot_positions(
             limit, num_slots, rolling, slot
         )  # (b,); negative: the slot holds no token yet
-        if packed:
+        if packed and latent:  # q (B, R + P, N)
+            rank = keys[0].shape[-1]
+            scores = ops.matmul(keys[0], q[:, :rank]) + ops.matmul(
+                keys[1], q[:, rank:]
+            )  # (B, b, N)
+            scores = ops.reshape(scores, (batch, block) + packed + (1,))
+            scores = ops.transpose(scores, (0, 2, 3, 4, 1))  # (B, 1, N, 1, b)
+        elif packed:
             scores = ops.matmul(keys, q)  # (B, b, K·G)
             scores = ops.reshape(scores, (batch, block) + packed + (1,))
             scores = ops.transpose(scores, (0, 2, 3, 4, 1))  # (B, K, G, 1, b)

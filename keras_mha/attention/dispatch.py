@@ -36,6 +36,15 @@ Every other call on a GPU or TPU (a feature Keras's layer lacks, weights,
 dropout, `H != V` on JAX) takes the CPU's rule, with the table's values
 for that backend and platform.
 
+Under `keras_mha.ContextParallel` (`spec.sharding`), `context_route`
+first picks how the sharded tokens are attended: `halo` for a window over
+keys at their own positions (self-attention lengths, no dense mask or
+bias, no weights or dropout), each shard then taking the rule above for
+its own block; `ring` for the other calls without a dense mask, bias,
+cache, weights or dropout (causal self-attention in zig-zag order);
+anything else runs on the whole sequence (`None`: XLA gathers what the
+call needs).
+
 A cache (decoding) takes one of three routes (`cache_route`): `prompt`,
 the tokens of a call at the Python index 0 attending to themselves on the
 paths above; `in_place`, the tokens written first and the cache read up to
@@ -61,6 +70,10 @@ TRIANGULAR = "triangular"
 BLOCKED = "blocked"
 FUSED_WINDOW = "fused_window"
 PATHS = (FUSED, EXPLICIT, BANDED, TRIANGULAR, BLOCKED, FUSED_WINDOW)
+
+HALO = "halo"
+RING = "ring"
+CONTEXT_ROUTES = (HALO, RING)
 
 PROMPT = "prompt"
 IN_PLACE = "in_place"
@@ -285,3 +298,21 @@ def cache_route(spec, query_length, index, rolling):
     if spec.dropout or (rolling and query_length != 1):
         return CONCATENATED
     return IN_PLACE
+
+
+def context_route(spec, shapes):
+    """How a call under `ContextParallel` is attended: one of
+    `CONTEXT_ROUTES`, or `None` (the whole sequence, as without one)."""
+    if spec.sharding is None:
+        return None
+    if not (
+        spec.keys_at_own_positions
+        and spec.attention_mask is None
+        and spec.bias is None
+        and not spec.return_weights
+        and not spec.dropout
+    ):
+        return None
+    if spec.window is not None and shapes.query_length == shapes.key_length:
+        return HALO
+    return RING

@@ -56,6 +56,9 @@ class AttentionSpec:
             only keys of the same id.
         key_segment_ids: the keys' ids `(B, S)`, set whenever
             `segment_ids` is.
+        sharding: `None`, or the `sharded.ContextPlan` of the active
+            `keras_mha.ContextParallel`: the tokens are sharded over its
+            context axis and `attend` takes a context-parallel route.
 
     The order inside attention is that of `logits.py` (docs/design.md, "The
     order inside attention").
@@ -79,6 +82,7 @@ class AttentionSpec:
     alibi: Any = None
     segment_ids: Any = None
     key_segment_ids: Any = None
+    sharding: Any = None
 
     def replace(self, **changes):
         """A copy with some fields changed."""

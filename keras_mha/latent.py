@@ -1,0 +1,492 @@
+"""`keras_mha.MultiHeadLatentAttention`: DeepSeek V2/V3's attention.
+
+`call` reads as: check the arguments, project the query into heads and the
+keys' input into one latent and one shared rotated key per token, describe
+the call (an `AttentionSpec`, as `MultiHeadAttention` does), attend with
+the expanded or the absorbed computation (`attention/latent.py`), project
+back.
+"""
+
+import keras
+from keras import ops
+
+from keras_mha import checks
+from keras_mha.checks import latent as latent_checks
+from keras_mha import describe as describe_lib
+from keras_mha import projections
+from keras_mha.attention import latent as latent_lib
+from keras_mha.attention import masks as masks_lib
+from keras_mha.attention import spec as spec_lib
+
+
+def _read_only(attribute, doc=None):
+    return property(lambda self: getattr(self, attribute), doc=doc)
+
+
+@keras.saving.register_keras_serializable(package="keras_mha")
+class MultiHeadLatentAttention(keras.layers.Layer):
+    """Multi-head latent attention (MLA, DeepSeek-V2, arXiv 2405.04434).
+
+    Keys and values come from one compressed latent per token: the input
+    is projected (`kv_a`) into a latent `c` of `kv_lora_rank` features,
+    RMS-normalized (`kv_norm`), and a key part `k_rope` of
+    `qk_rope_head_dim` features shared by all heads. Per head `n`:
+
+    - query `[q_nope_n, q_rope_n]` (`qk_nope_head_dim + qk_rope_head_dim`),
+      from `query` (or `query_a`, `query_norm`, `query_b` with
+      `q_lora_rank`);
+    - key `[k_nope_n, k_rope]`, `k_nope_n` and value `v_n` from the latent
+      (`kv_b`, to `N·(qk_nope_head_dim + v_head_dim)`);
+    - the rotary embedding turns `q_rope` and `k_rope` only, at absolute
+      positions; the logits are scaled by `scale`, by default
+      `(qk_nope_head_dim + qk_rope_head_dim) ** -0.5` (DeepSeek V3 with
+      YaRN multiplies it by the square of its `mscale`: pass `scale`,
+      as `from_torch` does).
+
+    A cache (`init_cache`) holds the latents and the shared rotated keys,
+    `kv_lora_rank + qk_rope_head_dim` numbers per token. Two computations
+    give the same outputs: expanded (the latents up-projected into
+    per-head keys and values, then the usual attention paths) and absorbed
+    (the key up-projection folded into the queries and the value
+    up-projection into the output: attention over the latents as one
+    shared key/value head). A decoding step that reads its cache in place
+    runs absorbed; every other call runs expanded (the rule is in
+    `keras_mha.attention.latent`).
+
+    Weights: the `EinsumDense` sublayers `query` (or `query_a`,
+    `query_norm` (RMS), `query_b`), `kv_a`, `kv_norm` (RMS), `kv_b` and
+    `attention_output`, in that order. `use_bias` gives biases to the
+    projections of the inputs (`query` or `query_a`, `kv_a`) and to
+    `attention_output`, as Hugging Face's `attention_bias` does; the
+    up-projections `query_b` and `kv_b` have none. Registered as
+    `keras_mha>MultiHeadLatentAttention`.
+
+    Args:
+        num_heads: `N`, the number of heads.
+        kv_lora_rank: `R`, the size of the latent.
+        qk_nope_head_dim: the query and key features per head without
+            rotary embedding.
+        qk_rope_head_dim: `P`, the rotated features: per query head, and
+            of the one key part shared by the heads.
+        v_head_dim: `V`, the value size per head.
+        q_lora_rank: `None` (the query projected directly, DeepSeek
+            V2-Lite), or the size of the query's own compression (DeepSeek
+            V2, V3).
+        rotary_embedding: `None`, or a layer applied to `(B, L, heads, P)`
+            as `layer(x, start_index=...)`: `keras_mha.RotaryEmbedding`
+            (DeepSeek's `rope_interleave` is its `interleaved=True`), or
+            keras-hub's.
+        scale: the logit scale; `(qk_nope_head_dim + qk_rope_head_dim) **
+            -0.5` if `None`.
+        use_bias: biases on `query` (or `query_a`), `kv_a` and
+            `attention_output`.
+        norm_epsilon: the epsilon of the RMS normalizations.
+        dropout: dropout rate on the attention weights, in `[0, 1)`.
+        sliding_window: `None`, `w` or `(left, right)`, as for
+            `MultiHeadAttention`; with `use_causal_mask` the cache is a
+            rolling buffer of `w` slots.
+        attn_logits_soft_cap: `None`, or `c > 0`: logits become
+            `c·tanh(logits / c)` after scaling.
+        kernel_initializer: for every projection kernel.
+        bias_initializer: for every projection bias.
+        seed: seed of the dropout.
+        **kwargs: base layer arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+        query: `(B, T, E)`.
+        value: `(B, S, E_v)`: the input of the latents (keys and values).
+        key: `None`, or `value` itself: keys and values both come from the
+            latents of `value`.
+        query_mask: `(B, T)`, `True` = a real query; the query's Keras mask
+            if not given.
+        value_mask: `(B, S)`, `True` = a real key; the value's Keras mask if
+            not given.
+        key_mask: `(B, S)`, combined with `value_mask` by AND.
+        attention_mask: boolean, broadcastable to `(B, T, S)` or `(B, N, T,
+            S)`, `True` = may attend. Not with a cache.
+        return_attention_scores: also return the attention weights.
+        training: whether dropout is applied.
+        use_causal_mask: key `j` is visible from query position `p` only if
+            `j <= p` (`p = cache_update_index + t` with a cache).
+        cache: decode with the `(latents, rope_keys, valid)` of
+            `init_cache` (or of the previous call): `use_causal_mask=True`,
+            `value` holds the new tokens (`S = T`).
+        cache_update_index: with `cache`, the position of the first new
+            token: a Python int or a scalar integer tensor.
+
+    Returns:
+        `output` `(B, T, E)`; with `return_attention_scores`, `(output,
+        scores)`, scores `(B, N, T, S)`; with `cache`, `(output,
+        new_cache)` or `(output, scores, new_cache)`, scores `(B, N, T, L +
+        T)` (the cache's `L` slots before the call, then the new tokens).
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        kv_lora_rank,
+        qk_nope_head_dim,
+        qk_rope_head_dim,
+        v_head_dim,
+        q_lora_rank=None,
+        rotary_embedding=None,
+        scale=None,
+        use_bias=False,
+        norm_epsilon=1e-6,
+        dropout=0.0,
+        sliding_window=None,
+        attn_logits_soft_cap=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        seed=None,
+        **kwargs,
+    ):
+        num_heads = checks.positive_int("num_heads", num_heads)
+        kv_lora_rank = checks.positive_int("kv_lora_rank", kv_lora_rank)
+        qk_nope_head_dim = checks.positive_int(
+            "qk_nope_head_dim", qk_nope_head_dim
+        )
+        qk_rope_head_dim = checks.positive_int(
+            "qk_rope_head_dim", qk_rope_head_dim
+        )
+        v_head_dim = checks.positive_int("v_head_dim", v_head_dim)
+        q_lora_rank = checks.positive_int("q_lora_rank", q_lora_rank,
+                                          allow_none=True)
+        rotary_embedding = checks.rotary_embedding(rotary_embedding)
+        scale = checks.positive_number("scale", scale, allow_none=True)
+        norm_epsilon = checks.positive_number("norm_epsilon", norm_epsilon)
+        dropout = checks.dropout_rate(dropout)
+        sliding_window = checks.sliding_window(sliding_window)
+        attn_logits_soft_cap = checks.positive_number(
+            "attn_logits_soft_cap", attn_logits_soft_cap, allow_none=True
+        )
+        use_bias = checks.boolean("use_bias", use_bias)
+        super().__init__(**kwargs)
+        self.supports_masking = True
+        self._num_heads = num_heads
+        self._kv_lora_rank = kv_lora_rank
+        self._qk_nope_head_dim = qk_nope_head_dim
+        self._qk_rope_head_dim = qk_rope_head_dim
+        self._v_head_dim = v_head_dim
+        self._q_lora_rank = q_lora_rank
+        self._rotary_embedding = rotary_embedding
+        self._given_scale = scale
+        self._scale = (
+            spec_lib.default_scale(qk_nope_head_dim + qk_rope_head_dim)
+            if scale is None else scale
+        )
+        self._use_bias = use_bias
+        self._norm_epsilon = norm_epsilon
+        self._dropout = dropout
+        self._sliding_window = sliding_window
+        self._soft_cap = attn_logits_soft_cap
+        self._kernel_initializer = keras.initializers.get(kernel_initializer)
+        self._bias_initializer = keras.initializers.get(bias_initializer)
+        self.seed = seed
+        # What `describe.describe` reads of a layer, fixed here.
+        self._flash_attention = None
+        self._use_alibi = False
+        self.sinks = None
+
+    num_heads = _read_only("_num_heads")
+    kv_lora_rank = _read_only("_kv_lora_rank")
+    qk_nope_head_dim = _read_only("_qk_nope_head_dim")
+    qk_rope_head_dim = _read_only("_qk_rope_head_dim")
+    v_head_dim = _read_only("_v_head_dim")
+    q_lora_rank = _read_only("_q_lora_rank")
+    rotary_embedding = _read_only("_rotary_embedding")
+    scale = _read_only("_scale", "The logit scale, resolved.")
+    use_bias = _read_only("_use_bias")
+    norm_epsilon = _read_only("_norm_epsilon")
+    dropout = _read_only("_dropout")
+    sliding_window = _read_only("_sliding_window")
+    attn_logits_soft_cap = _read_only("_soft_cap")
+
+    def get_config(self):
+        config = {
+            "num_heads": self._num_heads,
+            "kv_lora_rank": self._kv_lora_rank,
+            "qk_nope_head_dim": self._qk_nope_head_dim,
+            "qk_rope_head_dim": self._qk_rope_head_dim,
+            "v_head_dim": self._v_head_dim,
+            "q_lora_rank": self._q_lora_rank,
+            "rotary_embedding": None
+            if self._rotary_embedding is None
+            else keras.saving.serialize_keras_object(self._rotary_embedding),
+            "scale": self._given_scale,
+            "use_bias": self._use_bias,
+            "norm_epsilon": self._norm_epsilon,
+            "dropout": self._dropout,
+            "sliding_window": self._sliding_window,
+            "attn_logits_soft_cap": self._soft_cap,
+            "kernel_initializer": keras.initializers.serialize(
+                self._kernel_initializer
+            ),
+            "bias_initializer": keras.initializers.serialize(
+                self._bias_initializer
+            ),
+            "seed": self.seed,
+        }
+        return {**super().get_config(), **config}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        rotary = config.get("rotary_embedding")
+        if isinstance(rotary, dict):
+            config["rotary_embedding"] = keras.saving.deserialize_keras_object(
+                rotary
+            )
+        return cls(**config)
+
+    # ------------------------------------------------------------------ build
+
+    def build(self, query_shape, value_shape, key_shape=None):
+        query_shape, value_shape = tuple(query_shape), tuple(value_shape)
+        latent_checks.shapes(query_shape, value_shape)
+        self._feature_sizes = (query_shape[-1], value_shape[-1])
+        heads, head = self._num_heads, self._qk_head_dim
+        if self._q_lora_rank is None:
+            self._query_dense = self._dense(
+                "btd,dnh->btnh", (None, heads, head), "query", "nh")
+            self._query_dense.build(query_shape)
+        else:
+            rank = self._q_lora_rank
+            self._query_a = self._dense("btd,dr->btr", (None, rank),
+                                        "query_a", "r")
+            self._query_a.build(query_shape)
+            self._query_norm = self._norm("query_norm", rank)
+            self._query_b = self._dense("btr,rnh->btnh", (None, heads, head),
+                                        "query_b", None)
+            self._query_b.build(query_shape[:-1] + (rank,))
+        rank, rope = self._kv_lora_rank, self._qk_rope_head_dim
+        self._kv_a = self._dense("btd,dr->btr", (None, rank + rope), "kv_a",
+                                 "r")
+        self._kv_a.build(value_shape)
+        self._kv_norm = self._norm("kv_norm", rank)
+        self._kv_b = self._dense(
+            "btr,rnh->btnh",
+            (None, heads, self._qk_nope_head_dim + self._v_head_dim), "kv_b",
+            None,
+        )
+        self._kv_b.build(value_shape[:-1] + (rank,))
+        self._dropout_layer = keras.layers.Dropout(
+            rate=self._dropout, dtype=self.dtype_policy, seed=self.seed
+        )
+        self._output_dense = self._dense(
+            "btnv,nve->bte", (None, query_shape[-1]), "attention_output", "e"
+        )
+        self._output_dense.build(query_shape[:-1] + (heads, self._v_head_dim))
+        self.built = True
+
+    @property
+    def _qk_head_dim(self):
+        return self._qk_nope_head_dim + self._qk_rope_head_dim
+
+    def _dense(self, equation, output_shape, name, bias_axes):
+        def clone(initializer):
+            return initializer.__class__.from_config(initializer.get_config())
+
+        return projections.Projection(
+            equation,
+            output_shape=output_shape,
+            bias_axes=bias_axes if self._use_bias else None,
+            name=name,
+            kernel_initializer=clone(self._kernel_initializer),
+            bias_initializer=clone(self._bias_initializer),
+            dtype=self.dtype_policy,
+        )
+
+    def _norm(self, name, size):
+        norm = keras.layers.RMSNormalization(
+            epsilon=self._norm_epsilon, name=name, dtype=self.dtype_policy
+        )
+        norm.build((None, None, size))
+        return norm
+
+    # ------------------------------------------------------------------- call
+
+    def call(
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        return_attention_scores=False,
+        training=None,
+        use_causal_mask=False,
+        cache=None,
+        cache_update_index=None,
+    ):
+        latent_checks.call(self, query, value, key, query_mask, value_mask,
+                           key_mask, attention_mask, use_causal_mask, cache,
+                           cache_update_index)
+        nope, rank = self._qk_nope_head_dim, self._kv_lora_rank
+        if self._q_lora_rank is None:
+            q = self._query_dense(query)  # (B, T, N, Hn + P)
+        else:
+            q = self._query_b(self._query_norm(self._query_a(query)))
+        compressed = self._kv_a(value)  # (B, S, R + P)
+        latents = self._kv_norm(compressed[..., :rank])  # (B, S, R)
+        rope_keys = compressed[..., rank:]  # (B, S, P)
+        query_tokens = _bool(query_mask)
+        key_tokens = masks_lib.combine_masks(_bool(value_mask),
+                                             _bool(key_mask))
+        # Padding is never read, yet a weight of 0 times a NaN there is
+        # NaN: zero padded tokens so garbage cannot leak into real ones.
+        q = _zero_padding(q, query_tokens)
+        latents = _zero_padding(latents, key_tokens)
+        rope_keys = _zero_padding(rope_keys, key_tokens)
+        q_nope, q_rope = q[..., :nope], q[..., nope:]
+        if self._rotary_embedding is not None:
+            start = 0 if cache is None else cache_update_index
+            q_rope = self._rotary_embedding(q_rope, start_index=start)
+            rope_keys = self._rotary_embedding(
+                rope_keys[:, :, None], start_index=start
+            )[:, :, 0]  # (B, S, P)
+        dense_mask = None
+        if attention_mask is not None:
+            mask = ops.cast(ops.convert_to_tensor(attention_mask), "bool")
+            while len(mask.shape) < 4:
+                mask = ops.expand_dims(mask, 1 if len(mask.shape) == 3 else 0)
+            dense_mask = mask  # (B|1, N|1, T, S)
+        spec = describe_lib.describe(
+            self, query_tokens, key_tokens, dense_mask, use_causal_mask,
+            training, return_attention_scores,
+        )
+        how = latent_lib.computation(
+            spec, q.shape[1], cache is not None, cache_update_index,
+            self.rolling_cache, self._kv_b.quantization_mode is None,
+        )
+        context, scores, new_cache = latent_lib.latent_attention(
+            q_nope, q_rope, latents, rope_keys, spec, self._kv_b,
+            lambda: self._kv_b.kernel, nope, how, cache, cache_update_index,
+            self.rolling_cache,
+        )
+        results = [self._output_dense(context)]
+        if return_attention_scores:
+            results.append(ops.cast(scores, self.compute_dtype))
+        if cache is not None:
+            results.append(new_cache)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def computation(self, query_length=1, cache=False, cache_update_index=None,
+                    return_attention_scores=False, training=False):
+        """The computation a call would run: `"expanded"` or `"absorbed"`.
+
+        Args:
+            query_length: `T`.
+            cache: whether the call decodes with a cache.
+            cache_update_index: with a cache, the index (a Python int, or
+                any non-int for a tensor).
+            return_attention_scores, training: as in `call`.
+        """
+        spec = spec_lib.AttentionSpec(
+            scale=self._scale,
+            dropout=self._dropout if training else 0.0,
+            return_weights=bool(return_attention_scores),
+        )
+        absorbable = not self.built or self._kv_b.quantization_mode is None
+        return latent_lib.computation(
+            spec, query_length, cache, cache_update_index, self.rolling_cache,
+            absorbable,
+        )
+
+    # ------------------------------------------------------------------ cache
+
+    @property
+    def rolling_cache(self):
+        """Whether `init_cache` makes a rolling buffer (with a
+        `sliding_window`)."""
+        return self._sliding_window is not None
+
+    @property
+    def _rolling_slots(self):
+        return spec_lib.window_sides(self._sliding_window, True)[0] + 1
+
+    def init_cache(self, batch_size, max_length, in_place=False):
+        """A zero latent cache for decoding up to `max_length` tokens.
+
+        Args:
+            batch_size: `B`.
+            max_length: the longest sequence to decode. With a
+                `sliding_window` the cache is a rolling buffer of `w` slots
+                whatever `max_length` is.
+            in_place: whether calls may write into this cache's own
+                tensors; `False` (the default): the caller owns the cache.
+
+        Returns:
+            `(latents, rope_keys, valid)`: `(B, L, kv_lora_rank)` and `(B,
+            L, qk_rope_head_dim)` in the compute dtype (the normalized
+            latents and the rotated shared keys), and `valid` `(B, L)`
+            boolean, true where a real token was written. `L` is
+            `max_length`, or `w` when rolling. Owned and written as
+            `MultiHeadAttention.init_cache`'s cache is: by default a call
+            returns a new cache; with `in_place=True` an eager call writes
+            the new slots into the cache's own tensors.
+        """
+        checks.positive_int("batch_size", batch_size)
+        checks.positive_int("max_length", max_length)
+        checks.boolean("in_place", in_place)
+        slots = self._rolling_slots if self.rolling_cache else max_length
+        return latent_lib.zeros(batch_size, slots, self._kv_lora_rank,
+                                self._qk_rope_head_dim, self.compute_dtype,
+                                in_place)
+
+    # ----------------------------------------------------------------- shapes
+
+    def compute_output_shape(self, query_shape, value_shape, key_shape=None):
+        query_shape = tuple(query_shape)
+        latent_checks.shapes(query_shape, tuple(value_shape))
+        return query_shape
+
+    def compute_output_spec(
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        return_attention_scores=False,
+        training=None,
+        use_causal_mask=False,
+        cache=None,
+        cache_update_index=None,
+    ):
+        latent_checks.call(self, query, value, key, query_mask, value_mask,
+                           key_mask, attention_mask, use_causal_mask, cache,
+                           cache_update_index)
+        specs = [keras.KerasTensor(tuple(query.shape),
+                                   dtype=self.compute_dtype)]
+        if return_attention_scores:
+            keys = value.shape[1]
+            if cache is not None:
+                keys = None if keys is None else cache[0].shape[1] + keys
+            specs.append(keras.KerasTensor(
+                (query.shape[0], self._num_heads, query.shape[1], keys),
+                dtype=self.compute_dtype,
+            ))
+        if cache is not None:
+            specs.append(tuple(
+                keras.KerasTensor(part.shape, dtype=part.dtype)
+                for part in cache
+            ))
+        return specs[0] if len(specs) == 1 else tuple(specs)
+
+
+def _bool(mask):
+    return None if mask is None else ops.cast(mask, "bool")
+
+
+def _zero_padding(x, tokens):
+    """`x` `(B, L, ...)` with the positions where `tokens` `(B, L)` is
+    False set to 0; `x` itself when `tokens` is `None`."""
+    if tokens is None:
+        return x
+    keep = ops.reshape(tokens, tuple(ops.shape(tokens)) + (1,) * (x.ndim - 2))
+    return ops.where(keep, x, ops.zeros_like(x))
