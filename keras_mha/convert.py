@@ -36,7 +36,8 @@ def from_torch(module_or_state_dict, **layer_kwargs):
     """Builds a `MultiHeadAttention` from a `torch.nn.MultiheadAttention`.
 
     Also takes `transformers`' attention modules of Llama, Mistral,
-    Qwen2, Gemma 2, gpt-oss, Phi-3, SmolLM3 and Cohere2 (see
+    Qwen2, Gemma 2, gpt-oss, Phi-3, SmolLM3, Cohere2, Qwen3, Gemma 3,
+    OLMo 2 and Llama 4 (see
     `keras_mha.huggingface.from_transformers` for the classes and what is
     read), and DeepSeek V3's `DeepseekV3Attention`, which it returns as a
     `keras_mha.MultiHeadLatentAttention`.

@@ -43,6 +43,18 @@ class Family:
             `(x_{2i}, x_{2i+1})` (Cohere2) rather than `(x_i, x_{i+d/2})`.
         fused_qkv: whether the query, key and value projections are one
             `qkv_proj`, in that order (Phi-3).
+        qk_norm: the module's query/key norms: `None`; `"head"` (RMSNorms
+            `q_norm` and `k_norm` over each head, one `(H,)` weight each:
+            Qwen3, Gemma 3); `"projection"` (over the whole projection,
+            `(N·H,)` and `(K·H,)`: OLMo 2); `"weightless"` (Llama 4's
+            `qk_norm`, present only on its rope layers).
+        norm_offset: the norms multiply by `norm_offset + weight` (Gemma
+            stores `w` for a scale of `1 + w`).
+        chunks: whether `config.layer_types` marks chunked layers
+            (`"chunked_attention"`, chunks of `config.attention_chunk_size`:
+            Llama 4).
+        temperature: whether the NoPE layers scale their queries by
+            position when `config.attn_temperature_tuning` (Llama 4).
         latent: whether the module is multi-head latent attention
             (DeepSeek V3), imported as `MultiHeadLatentAttention`.
     """
@@ -52,6 +64,10 @@ class Family:
     rope_layers: str = None
     interleaved: bool = False
     fused_qkv: bool = False
+    qk_norm: str = None
+    norm_offset: float = 0.0
+    chunks: bool = False
+    temperature: bool = False
     latent: bool = False
 
 
@@ -72,6 +88,15 @@ FAMILIES = {
         Family(window="layer_types", rope_layers="no_rope_layers"),
     ("transformers.models.cohere2.modeling_cohere2", "Cohere2Attention"):
         Family(window="layer_types", rope_layers="sliding", interleaved=True),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention"):
+        Family(window="layer_types", qk_norm="head"),
+    ("transformers.models.gemma3.modeling_gemma3", "Gemma3Attention"):
+        Family(window="layer_types", qk_norm="head", norm_offset=1.0),
+    ("transformers.models.olmo2.modeling_olmo2", "Olmo2Attention"):
+        Family(qk_norm="projection"),
+    ("transformers.models.llama4.modeling_llama4", "Llama4TextAttention"):
+        Family(rope_layers="no_rope_layers", interleaved=True,
+               qk_norm="weightless", chunks=True, temperature=True),
     ("transformers.models.deepseek_v3.modeling_deepseek_v3",
      "DeepseekV3Attention"): Family(latent=True),
 }
@@ -95,11 +120,12 @@ def from_transformers(module, **layer_kwargs):
 
     Supported: `LlamaAttention`, `MistralAttention`, `Qwen2Attention`,
     `Gemma2Attention`, `GptOssAttention`, `Phi3Attention`,
-    `SmolLM3Attention` and `Cohere2Attention` (the classes themselves, not
-    subclasses). Read from the module and its `config`, for the module's
-    `layer_idx`, as below. `DeepseekV3Attention` gives a
-    `MultiHeadLatentAttention` instead (`_latent_from_transformers` says
-    what is read):
+    `SmolLM3Attention`, `Cohere2Attention`, `Qwen3Attention`,
+    `Gemma3Attention`, `Olmo2Attention` and `Llama4TextAttention` (the
+    classes themselves, not subclasses). Read from the module and its
+    `config`, for the module's `layer_idx`, as below. `DeepseekV3Attention`
+    gives a `MultiHeadLatentAttention` instead (`_latent_from_transformers`
+    says what is read):
 
     - heads: `config.num_attention_heads`, `config.num_key_value_heads` and
       `module.head_dim` (`config.head_dim`, or `hidden_size // heads`).
@@ -121,14 +147,27 @@ def from_transformers(module, **layer_kwargs):
       what that means for a cache.
     - NoPE layers (`rotary_embedding=None`): SmolLM3's layers where
       `config.no_rope_layers[layer_idx]` is 0; Cohere2's full-attention
-      layers (it rotates only where it slides).
+      layers (it rotates only where it slides); Llama 4's layers where
+      `config.no_rope_layers[layer_idx]` is 0. Llama 4 rotates interleaved
+      pairs too.
+    - query/key norms: Qwen3's and Gemma 3's `q_norm` and `k_norm` (RMS
+      over each head) as `qk_norm="rms"`, OLMo 2's (over the whole
+      projection) with `qk_norm_scope="projection"`, their weights as the
+      scales (Gemma 3 stores `w` for `1 + w`: converted) and their epsilon
+      as `qk_norm_epsilon`; Llama 4's weightless `qk_norm` (its rope layers,
+      with `config.use_qk_norm`) as `qk_norm="l2"`.
+    - Llama 4's chunks: `config.attention_chunk_size` for the layers that
+      `config.layer_types` marks `"chunked_attention"`; its
+      `attn_temperature_tuning` as `query_temperature=(floor_scale,
+      attn_scale)` on its NoPE layers, at the same positions (the cache's
+      length plus `t`) while decoding.
     - sliding window: Mistral's and Phi-3's `config.sliding_window` for
       every layer; for the others, `config.sliding_window` where
       `config.layer_types[layer_idx] == "sliding_attention"`, else none.
       Hugging Face's window `W` (`kv_idx > q_idx - W`) is our causal
       `sliding_window=W`.
-    - `module.scaling` (Gemma 2: `query_pre_attn_scalar ** -0.5`) as
-      `scale`; Gemma 2's `attn_logit_softcapping` as
+    - `module.scaling` (Gemma 2 and 3: `query_pre_attn_scalar ** -0.5`) as
+      `scale`; Gemma's `attn_logit_softcapping` as
       `attn_logits_soft_cap`; gpt-oss's `module.sinks` as the `sinks`
       weight (`use_sinks=True`); `config.attention_dropout` as `dropout`.
 
@@ -143,7 +182,9 @@ def from_transformers(module, **layer_kwargs):
             (`num_heads`, `key_dim`, `value_dim`, `num_key_value_heads`,
             `use_bias`, `use_gate`, `output_shape`, `rotary_embedding`,
             `scale`, `attn_logits_soft_cap`, `use_sinks`, `use_alibi`,
-            `sliding_window`) may be passed only with the module's values;
+            `sliding_window`, `qk_norm`, `qk_norm_scope`,
+            `qk_norm_epsilon`, `attention_chunk_size`,
+            `query_temperature`) may be passed only with the module's values;
             `rotary_embedding` not at all.
 
     Returns:
@@ -153,8 +194,9 @@ def from_transformers(module, **layer_kwargs):
     Raises:
         ValueError: for another module type, a rope setting the layer
             cannot represent (named), a module whose `sliding_window`
-            disagrees with its config's, or an argument the module fixes
-            to another value.
+            disagrees with its config's, query and key norms with different
+            epsilons, a module that is not causal, or an argument the
+            module fixes to another value.
     """
     if not is_transformers_attention(module):
         supported = ", ".join(name for _, name in FAMILIES)
@@ -177,8 +219,16 @@ def from_transformers(module, **layer_kwargs):
     soft_cap = getattr(module, "attn_logit_softcapping", None)
     sinks = getattr(module, "sinks", None)
     sliding_window = _sliding_window(module, name, family)
+    _check_causal(module, name)
+    uses_rope = _uses_rope(module, family)
+    qk_norm, qk_norm_scope, qk_norm_epsilon = _qk_norm(module, family)
+    query_temperature = None
+    if (family.temperature and not uses_rope
+            and getattr(config, "attn_temperature_tuning", False)):
+        query_temperature = (float(config.floor_scale),
+                             float(config.attn_scale))
     rotary_embedding = None
-    if _uses_rope(module, family):
+    if uses_rope:
         rotary_embedding = rope_parameters.rotary_embedding(
             config, head_dim, name, _layer_type(module),
             family.partial_rotary, interleaved=family.interleaved,
@@ -197,6 +247,11 @@ def from_transformers(module, **layer_kwargs):
         use_sinks=sinks is not None,
         use_alibi=False,
         sliding_window=sliding_window,
+        qk_norm=qk_norm,
+        qk_norm_scope=qk_norm_scope,
+        qk_norm_epsilon=qk_norm_epsilon,
+        attention_chunk_size=_attention_chunk_size(module, family),
+        query_temperature=query_temperature,
     )
     if host.output_shape(layer_kwargs.get("output_shape")) == (hidden_size,):
         del layer_kwargs["output_shape"]  # the default: the input's size
@@ -231,6 +286,12 @@ def from_transformers(module, **layer_kwargs):
     )  # (N, V, E), (E,)
     if sinks is not None:
         layer.sinks.assign(host.to_numpy(sinks))  # (N,)
+    if qk_norm == "rms":
+        for ours, theirs in ((layer.query_norm, module.q_norm),
+                             (layer.key_norm, module.k_norm)):
+            ours.scale.assign(
+                family.norm_offset + host.to_numpy(theirs.weight)
+            )  # (H,), or (N·H,) and (K·H,)
     return layer
 
 
@@ -257,6 +318,57 @@ def _projections(module, family, num_heads, num_kv_heads, head_dim):
         value=(weights[2], biases[2]),
         output=read(module.o_proj),
     )
+
+
+def _check_causal(module, name):
+    """The layer is called causal; a module that is not (Gemma 3 with
+    `use_bidirectional_attention`) has a model that masks otherwise."""
+    if not getattr(module, "is_causal", True):
+        raise ValueError(
+            f"The {name} attends both ways (`is_causal=False`), and "
+            "`from_torch` imports causal attention only. Received: "
+            "use_bidirectional_attention="
+            f"{getattr(module.config, 'use_bidirectional_attention', None)!r}"
+        )
+
+
+def _qk_norm(module, family):
+    """`(qk_norm, qk_norm_scope, qk_norm_epsilon)` of the module's layer.
+
+    All of them are `x / sqrt(mean(x²) + eps)` over a head (or the whole
+    projection), in float32, then times the weight; transformers normalizes
+    before RoPE except Llama 4, whose weightless norm comes after it: a
+    rotation keeps the mean square, so the order does not matter.
+    """
+    if family.qk_norm is None:
+        return None, "head", 1e-6
+    if family.qk_norm == "weightless":
+        norm = getattr(module, "qk_norm", None)  # rope layers only
+        if norm is None:
+            return None, "head", 1e-6
+        return "l2", "head", float(norm.eps)
+    epsilons = {_epsilon(module.q_norm), _epsilon(module.k_norm)}
+    if len(epsilons) > 1:
+        raise ValueError(
+            f"The {type(module).__qualname__}'s query and key norms have "
+            "different epsilons, and the layer has one `qk_norm_epsilon`. "
+            f"Received: q_norm epsilon={_epsilon(module.q_norm)}, k_norm "
+            f"epsilon={_epsilon(module.k_norm)}"
+        )
+    return "rms", family.qk_norm, epsilons.pop()
+
+
+def _epsilon(norm):
+    # Qwen3RMSNorm and Olmo2RMSNorm: `variance_epsilon`; Gemma3RMSNorm: `eps`.
+    epsilon = getattr(norm, "variance_epsilon", None)
+    return float(norm.eps if epsilon is None else epsilon)
+
+
+def _attention_chunk_size(module, family):
+    """`C` of a chunked layer (Llama 4's `"chunked_attention"`), or `None`."""
+    if not family.chunks or _layer_type(module) != "chunked_attention":
+        return None
+    return int(module.config.attention_chunk_size)
 
 
 def _uses_rope(module, family):

@@ -67,6 +67,15 @@ LLAMA3 = {
     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+# Llama 4 Scout's published rope parameters.
+LLAMA4_ROPE = {**LLAMA3, "factor": 16.0, "high_freq_factor": 1.0}
+CHUNK, FLOOR_SCALE = 4, 4
+# Gemma 3's published local and global rope parameters.
+GEMMA3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                       "rope_theta": 1000000.0},
+}
 # Qwen2.5's published long-context YaRN.
 YARN = {
     "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
@@ -178,6 +187,39 @@ CASES = {
              layer_types=["sliding_attention", "full_attention"]),
         LENGTH,
     ),
+    # Qwen3: an RMSNorm over each query and key head.
+    "qwen3_norms": (
+        "Qwen3Config", dict(num_hidden_layers=1, head_dim=HEAD_DIM), LENGTH,
+    ),
+    # Gemma 3: per-head norms stored as `1 + w`, local layers at 10,000 in
+    # a window, global ones at 1,000,000 with linear factor 8.
+    "gemma3_local_global": (
+        "Gemma3TextConfig",
+        dict(num_hidden_layers=2, head_dim=HEAD_DIM, sliding_window=WINDOW,
+             query_pre_attn_scalar=20, rope_parameters=GEMMA3_ROPE,
+             layer_types=["sliding_attention", "full_attention"]),
+        LENGTH,
+    ),
+    # OLMo 2: one RMSNorm over all the query heads, one over the keys.
+    # Its decoder norms come after attention, so layer 0 reads the raw
+    # embeddings (drawn at `initializer_range`): drawn large enough to
+    # matter.
+    "olmo2_norms": (
+        "Olmo2Config", dict(num_hidden_layers=1, initializer_range=1.0),
+        LENGTH,
+    ),
+    # Llama 4: a chunked rope layer with weightless norms, then a full NoPE
+    # layer with the query temperature (chunk and floor scale small enough
+    # to matter at 12 tokens).
+    "llama4_chunked_nope": (
+        "Llama4TextConfig",
+        dict(num_hidden_layers=2, head_dim=HEAD_DIM, **TOKENS,
+             no_rope_layers=[1, 0], attention_chunk_size=CHUNK,
+             floor_scale=FLOOR_SCALE, attn_scale=0.5,
+             rope_parameters=LLAMA4_ROPE, max_position_embeddings=131072,
+             intermediate_size_mlp=16, num_local_experts=1),
+        LENGTH,
+    ),
 }
 
 
@@ -274,6 +316,38 @@ class TestOutputs:
             PHI3_LONGROPE["long_factor"])
         assert phi3.sliding_window == WINDOW and not phi3.use_bias
 
+    def test_reads_norms_chunks_and_temperature(self):
+        qwen3 = _run("qwen3_norms")[0].module
+        layer = keras_mha.from_torch(qwen3)
+        assert (layer.qk_norm, layer.qk_norm_scope) == ("rms", "head")
+        assert layer.qk_norm_epsilon == qwen3.config.rms_norm_eps
+        np.testing.assert_array_equal(
+            to_numpy(layer.key_norm.scale.value),
+            qwen3.k_norm.weight.detach().numpy(),
+        )
+        # Gemma 3 stores `w`; the model multiplies by `1 + w`.
+        gemma3 = _run("gemma3_local_global")[1].module
+        layer = keras_mha.from_torch(gemma3)
+        np.testing.assert_allclose(
+            to_numpy(layer.query_norm.scale.value),
+            1 + gemma3.q_norm.weight.detach().numpy(), rtol=1e-7,
+        )
+        assert layer.scale == pytest.approx(20**-0.5)
+        assert layer.rotary_embedding.max_wavelength == 1e6
+        assert layer.rotary_embedding.scaling_factor == 8.0
+        olmo2 = keras_mha.from_torch(_run("olmo2_norms")[0].module)
+        assert olmo2.qk_norm_scope == "projection"
+        assert tuple(olmo2.query_norm.scale.shape) == (HEADS * HEAD_DIM,)
+        assert tuple(olmo2.key_norm.scale.shape) == (KV_HEADS * HEAD_DIM,)
+        chunked, nope = [keras_mha.from_torch(c.module)
+                         for c in _run("llama4_chunked_nope")]
+        assert chunked.attention_chunk_size == CHUNK
+        assert chunked.qk_norm == "l2" and chunked.query_temperature is None
+        assert chunked.rotary_embedding.interleaved
+        assert nope.rotary_embedding is None and nope.qk_norm is None
+        assert nope.attention_chunk_size is None
+        assert nope.query_temperature == (FLOOR_SCALE, 0.5)
+
     @pytest.mark.parametrize("case_id, rope, attention_factor", [
         ("gpt_oss_yarn", dict(rope_type="yarn", scaling_factor=32.0,
                               beta_fast=32.0, beta_slow=1.0, truncate=False,
@@ -334,7 +408,11 @@ class TestOutputs:
                                          "gpt_oss_yarn",
                                          "phi3_longrope_partial_long",
                                          "smollm3_nope",
-                                         "cohere2_windows"])
+                                         "cohere2_windows",
+                                         "qwen3_norms",
+                                         "gemma3_local_global",
+                                         "olmo2_norms",
+                                         "llama4_chunked_nope"])
     def test_decoding_matches_the_models_cache(self, case_id):
         """Step by step with a cache, the layer computes what the module
         computes with transformers' cache: each key keeps the rotation of
@@ -369,7 +447,9 @@ class TestGenerate:
 
     GENERATED = 6
 
-    @pytest.mark.parametrize("case_id", ["llama_llama3"])
+    @pytest.mark.parametrize("case_id", ["llama_llama3",
+                                         "gemma3_local_global",
+                                         "llama4_chunked_nope"])
     def test_tokens_and_logits_of_generate(self, case_id):
         """Each attention module's forward is replaced by a call of
         `from_torch(module)` with our cache (`init_cache`,
@@ -494,6 +574,14 @@ class TestErrors:
             **old, rope_theta=THETA, rope_scaling={"type": "su"},
         )
         with pytest.raises(ValueError, match="rope_type='su'"):
+            keras_mha.from_torch(module)
+
+    def test_bidirectional(self):
+        """Gemma 3 with `use_bidirectional_attention` is not causal."""
+        module = _module("gemma3_local_global",
+                         use_bidirectional_attention=True)
+        with pytest.raises(ValueError,
+                           match="use_bidirectional_attention=True"):
             keras_mha.from_torch(module)
 
     def test_partial_rotary_factor_of_a_scaled_type(self):
