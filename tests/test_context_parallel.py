@@ -474,9 +474,10 @@ class TestLayout:
             (dict(), dispatch.RING),
             (dict(window=(63, 0), return_weights=True), None),
             (dict(window=(63, 0), dropout=0.1), None),
+            (dict(causal=True, chunk=16), None),
         ],
         ids=["causal_window", "two_sided", "full_causal", "full", "weights",
-             "dropout"],
+             "dropout", "chunk"],
     )
     def test_routes(self, changes, route):
         plan = ContextPlan(mesh=None, batch_axis="batch",

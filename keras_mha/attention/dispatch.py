@@ -315,6 +315,7 @@ def context_route(spec, shapes):
         and spec.bias is None
         and not spec.return_weights
         and not spec.dropout
+        and spec.chunk is None  # the routes do not read chunks: whole
     ):
         return None
     if spec.window is not None and shapes.query_length == shapes.key_length:
