@@ -37,7 +37,29 @@ STATUSES = {plan.OK, plan.SKIPPED, plan.OUT_OF_MEMORY, plan.TIMED_OUT,
             plan.ERROR, plan.NOT_AVAILABLE}
 
 
+def _end_to_end_backend():
+    """The one backend of a `keras-mha test` run whose process runs the
+    end-to-end `python -m benchmarks` runs (TensorFlow where it is in the
+    run): they test the harness, which is the same for every backend, and
+    each costs minutes. A direct pytest run (no `KERAS_MHA_TEST_BACKENDS`)
+    runs them on its own backend."""
+    named = [name for name in
+             os.environ.get("KERAS_MHA_TEST_BACKENDS", "").split(",")
+             if name in plan.BENCH_BACKENDS]
+    if not named:
+        return BACKEND
+    return "tensorflow" if "tensorflow" in named else named[0]
+
+
+def _skip_unless_end_to_end_backend():
+    chosen = _end_to_end_backend()
+    if chosen != BACKEND:
+        pytest.skip(f"the end-to-end benchmark runs are run once per "
+                    f"`keras-mha test`, on {chosen}")
+
+
 def run_bench(*args, cwd):
+    _skip_unless_end_to_end_backend()
     env = dict(os.environ, KERAS_BACKEND=BACKEND, PYTHONIOENCODING="utf-8",
                PYTHONPATH=os.pathsep.join(
                    [ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
