@@ -240,7 +240,7 @@ class RotaryEmbedding(keras.layers.Layer):
             positions = _checked_positions(ops.convert_to_tensor(positions))
             positions = ops.cast(positions, "float32")  # (L,) or (B, L)
             if self._rope.length_dependent:
-                largest = ops.max(positions)
+                largest = ops.amax(positions)
         if self._rope.length_dependent:
             frequencies = self._length_dependent(tables, largest)
         else:

@@ -11,6 +11,8 @@ step recompiles for every index. The programs are counted as the distinct
 HLO modules of the ten steps' arguments.
 """
 
+import functools
+import os
 import re
 
 import keras
@@ -131,3 +133,119 @@ def test_decoding_steps_compile_once(rng, case):
         full = layer(x, x, use_causal_mask=True)
     np.testing.assert_allclose(np.concatenate(outputs, 1), to_numpy(full),
                                atol=1e-5, rtol=1e-5)
+
+
+def _every_feature_model():
+    """Two Gemma-2-like blocks: a causal window with sinks, then full
+    causal attention; grouped heads, RoPE, query/key norms, soft-cap and
+    dropout in both. Compiled by `fit` (`jit_compile=True`)."""
+    inputs = keras.Input((STEPS, 16))
+    h = inputs
+    for window in (4, None):
+        attention = keras_mha.MultiHeadAttention(
+            num_heads=4, key_dim=4, num_key_value_heads=2, dropout=0.1,
+            rotary_embedding=keras_mha.RotaryEmbedding(), qk_norm="rms",
+            attn_logits_soft_cap=20.0, use_sinks=window is not None,
+            sliding_window=window,
+        )
+        h = keras.layers.LayerNormalization()(
+            h + attention(h, h, use_causal_mask=True)
+        )
+    model = keras.Model(inputs, keras.layers.Dense(16)(h))
+    model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    return model
+
+
+# The frames of Keras's own machinery for calling a layer: a graph break
+# entered from our code through one of them is Keras's, not ours.
+_KERAS_CALL_FRAMES = ("keras/src/utils/traceback_utils.py",
+                      "keras/src/layers/layer.py",
+                      "keras/src/ops/operation.py")
+
+
+def _our_graph_breaks(messages):
+    """The graph breaks (Dynamo's log messages) whose innermost frame in
+    `keras_mha` called an op or the standard library, not a Keras layer."""
+    ours = []
+    for message in messages:
+        frames = re.findall(r'File "([^"]+)", line (\d+)', message)
+        inside = [i for i, (path, _) in enumerate(frames)
+                  if f"{os.sep}keras_mha{os.sep}" in path]
+        if not inside:
+            continue
+        after = frames[inside[-1] + 1:]
+        if not after or not after[0][0].endswith(_KERAS_CALL_FRAMES):
+            ours.append(message)
+    return ours
+
+
+@pytest.mark.training
+@pytest.mark.skipif(BACKEND == "numpy", reason="NumPy has no training")
+def test_fit_step_compiles_once(rng, monkeypatch):
+    """`fit` with `jit_compile=True`: the model's step is traced during
+    the first two steps and never again. Under `torch.compile`, counted by
+    Dynamo's own counters, no graph break starts in our code (Keras's
+    layer call and train step have their own). Dynamo runs with the
+    `aot_eager` backend: the graph capture is what the layer must
+    survive, and Inductor's code generation would take minutes here."""
+    calls = []
+    if BACKEND == "torch":
+        import logging
+
+        import torch
+        from torch._dynamo.utils import counters
+
+        compile_ = torch.compile
+        monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile_(
+            fn, backend="aot_eager", **kwargs))
+        messages = []
+
+        class Breaks(logging.Handler):
+            def emit(self, record):
+                messages.append(record.getMessage())
+
+        log = logging.getLogger("torch._dynamo.symbolic_convert.__graph_breaks")
+        handler = Breaks(logging.DEBUG)
+        log.addHandler(handler)
+        monkeypatch.setattr(log, "level", logging.DEBUG)
+        monkeypatch.setattr(log, "propagate", False)
+        torch._dynamo.reset()
+        counters.clear()
+
+        def traced():
+            return (counters["frames"]["total"],
+                    counters["stats"]["unique_graphs"])
+    else:
+        call = keras_mha.MultiHeadAttention.call
+
+        @functools.wraps(call)  # Keras reads the signature
+        def counted(self, *args, **kwargs):
+            calls.append(1)  # Python runs only while a step is traced
+            return call(self, *args, **kwargs)
+
+        monkeypatch.setattr(keras_mha.MultiHeadAttention, "call", counted)
+
+        def traced():
+            return len(calls)
+
+    model = _every_feature_model()
+    x = rng.normal(size=(4, STEPS, 16)).astype("float32")
+    y = rng.normal(size=(4, STEPS, 16)).astype("float32")
+    losses = []
+    try:
+        for step in range(5):
+            losses.append(float(model.train_on_batch(x, y)))
+            if step == 1:
+                after_two = traced()
+    finally:
+        if BACKEND == "torch":
+            log.removeHandler(handler)
+    assert traced() == after_two
+    assert np.isfinite(losses).all()
+    if BACKEND == "torch":
+        # Keras's train step breaks at least at `loss.backward()`.
+        assert messages, "the log of graph breaks was not captured"
+        ours = _our_graph_breaks(messages)
+        assert not ours, ours[0]
+    else:
+        assert after_two > 0

@@ -417,7 +417,7 @@ def _chunk_attention(band, rate, soft_cap, use_alibi, use_sinks):
         # The softmax with its division deferred to the output, `(b·G, V)`
         # per block instead of `(b·G, span)`. A row with no allowed key is
         # uniform (or all on its sink) here; the caller zeroes it.
-        top = ops.max(scores, axis=-1, keepdims=True)
+        top = ops.amax(scores, axis=-1, keepdims=True)
         if use_sinks:
             top = ops.maximum(top, sinks)
         weights = ops.exp(ops.subtract(scores, top))

@@ -368,7 +368,7 @@ def _forward_body(geometry):
         def update(state, k_j, v_j, j, keys_j, diagonal):
             m, l, acc = state
             s, _ = _scores(geometry, q_i, k_j, i, j, rows, keys_j, diagonal)
-            m_new = ops.maximum(m, ops.max(s, axis=-1, keepdims=True))
+            m_new = ops.maximum(m, ops.amax(s, axis=-1, keepdims=True))
             correction = ops.exp(ops.subtract(m, m_new))
             p = ops.exp(ops.subtract(s, m_new))  # (B, K, b·G, b)
             l = ops.add(ops.multiply(l, correction),

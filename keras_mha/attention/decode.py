@@ -456,7 +456,7 @@ def _loop(block, num_slots, rolling, causal, window, chunk, soft_cap,
         scores = ops.where(
             mask, scores, ops.cast(logits.MASKED_LOGIT, scores.dtype)
         )
-        new_top = ops.maximum(top, ops.max(scores, axis=-1, keepdims=True))
+        new_top = ops.maximum(top, ops.amax(scores, axis=-1, keepdims=True))
         rescale = ops.exp(top - new_top)
         weights = ops.exp(scores - new_top) * ops.cast(mask, scores.dtype)
         total = total * rescale + ops.sum(weights, axis=-1, keepdims=True)

@@ -20,7 +20,10 @@ MASKED_LOGIT = -1e30
 
 def softmax(scores):
     """`ops.softmax` over the last axis, without Keras's warning for an axis
-    of size 1: one key (`S = 1`) is a valid input here."""
+    of size 1: one key (`S = 1`) is a valid input here. Only that case
+    enters `warnings.catch_warnings`, which `torch.compile` cannot trace."""
+    if scores.shape[-1] != 1:
+        return ops.softmax(scores, axis=-1)
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", "You are using a softmax over axis", UserWarning
@@ -107,7 +110,7 @@ def weights(scores, mask, sinks=None):
             mask, scores, ops.cast(MASKED_LOGIT, scores.dtype)
         )
     sinks = ops.cast(sinks, scores.dtype)
-    top = ops.maximum(ops.max(scores, axis=-1, keepdims=True), sinks)
+    top = ops.maximum(ops.amax(scores, axis=-1, keepdims=True), sinks)
     exp = ops.exp(ops.subtract(scores, top))
     denominator = ops.add(
         ops.sum(exp, axis=-1, keepdims=True), ops.exp(ops.subtract(sinks, top))

@@ -68,7 +68,7 @@ def part(query, key, value, spec, query_positions, key_positions, mask):
     )
     if mask is not None:
         scores = ops.where(mask, scores, ops.cast(EMPTY, scores.dtype))
-    top = ops.max(scores, axis=-1, keepdims=True)  # (B, N, T, 1)
+    top = ops.amax(scores, axis=-1, keepdims=True)  # (B, N, T, 1)
     exp = ops.exp(ops.subtract(scores, top))
     if mask is not None:
         exp = ops.multiply(exp, ops.cast(mask, exp.dtype))
