@@ -8,10 +8,17 @@ traced function and the backend's own count of compilations. On JAX that is
 still compile several XLA programs: an input that an XLA op needs as a
 constant (a slice's start, a shape) is compiled in as its value, so the
 step recompiles for every index. The programs are counted as the distinct
-HLO modules of the ten steps' arguments.
+HLO modules of the ten steps' arguments. Under `torch.compile`, Dynamo's
+own counters: no graph is captured after the first step, and no graph
+break starts in our code (Keras's layer call has its own).
+
+A `fit` step with `jit_compile=True` of a model with every feature is
+traced during the first two steps and never again.
 """
 
+import contextlib
 import functools
+import logging
 import os
 import re
 
@@ -25,17 +32,25 @@ from util import make_layer
 from util import to_numpy
 
 STEPS = 10
-TRACED = pytest.mark.skipif(
-    BACKEND not in ("jax", "tensorflow"),
-    reason="only jax.jit and tf.function trace a decoding step",
+COMPILED = pytest.mark.skipif(
+    BACKEND == "numpy", reason="NumPy has no compiler"
 )
 
 
 def _decoder(x, case):
     """A layer with RoPE and grouped heads, and its empty cache: ours
-    `(keys, values, valid)` full or rolling, or keras-hub's."""
+    `(keys, values, valid)` full or rolling, keras-hub's, or the latent
+    layer's."""
     kwargs = dict(num_heads=2, key_dim=4, num_key_value_heads=1,
                   rotary_embedding=keras_mha.RotaryEmbedding())
+    if case == "latent":
+        layer = keras_mha.MultiHeadLatentAttention(
+            num_heads=2, kv_lora_rank=8, qk_nope_head_dim=4,
+            qk_rope_head_dim=4, v_head_dim=4,
+            rotary_embedding=keras_mha.RotaryEmbedding(),
+        )
+        layer.build(x.shape, x.shape)
+        return layer, layer.init_cache(x.shape[0], STEPS)
     if case == "keras_hub":
         layer = keras_mha.CachedMultiHeadAttention(**kwargs)
         layer.build(x.shape, x.shape)
@@ -50,6 +65,28 @@ def _counted(fn):
     """`(compiled, programs)`: `fn` compiled, and a function of the
     arguments of every call made so far that counts the programs compiled
     for them."""
+    if BACKEND == "torch":
+        import torch
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        compiled_fn = torch.compile(fn, backend="aot_eager")
+        graphs, breaks = [], []
+
+        def run(*args):  # decoding: no gradient, as in `generate`
+            with _graph_breaks() as messages, torch.no_grad():
+                out = compiled_fn(*args)
+            breaks.extend(messages)
+            graphs.append(counters["stats"]["unique_graphs"])
+            return out
+
+        def programs(calls):
+            ours = _our_graph_breaks(breaks)
+            assert not ours, ours[0]
+            return len(set(graphs))
+
+        return run, programs
     if BACKEND == "jax":
         import jax
 
@@ -101,31 +138,37 @@ def _program(hlo):
     )
 
 
-@TRACED
-@pytest.mark.parametrize("case", ["full", "rolling", "keras_hub"])
+@COMPILED
+@pytest.mark.parametrize("case", ["full", "rolling", "keras_hub", "latent"])
 def test_decoding_steps_compile_once(rng, case):
-    """Ten steps with a tensor index: one trace, one compiled program, and
-    the eager steps' outputs."""
+    """Ten steps with a tensor index: one trace, one compiled program (on
+    torch: no graph after the first step), and the eager steps'
+    outputs."""
     x = rng.normal(size=(2, STEPS, 8)).astype("float32")
     layer, cache = _decoder(x, case)
     traces = []
 
     def step(token, cache, index):
-        traces.append(1)
+        if BACKEND != "torch":  # Dynamo guards on a list it appends to
+            traces.append(1)
         if case == "keras_hub":  # keras-hub's call: the mask is the caller's
             return layer(token, token, cache=cache, cache_update_index=index)
         return layer(token, token, use_causal_mask=True, cache=cache,
                      cache_update_index=index)
 
+    if BACKEND == "torch":  # one eager call first, as Keras's `fit` does
+        step(keras.ops.convert_to_tensor(x[:, :1]), cache,
+             keras.ops.convert_to_tensor(0, dtype="int32"))
     run, programs = _counted(step)
     calls, outputs = [], []
     for i in range(STEPS):
-        args = (x[:, i : i + 1], cache,
+        args = (keras.ops.convert_to_tensor(x[:, i : i + 1]), cache,
                 keras.ops.convert_to_tensor(i, dtype="int32"))
         calls.append(args)
         out, cache = run(*args)
         outputs.append(to_numpy(out))
-    assert len(traces) == 1
+    if BACKEND != "torch":
+        assert len(traces) == 1
     assert programs(calls) == 1
     if case == "keras_hub":  # a step never sees the slots after it
         full = layer(x, x, attention_mask=np.tril(np.ones((STEPS,) * 2)))
@@ -137,8 +180,8 @@ def test_decoding_steps_compile_once(rng, case):
 
 def _every_feature_model():
     """Two Gemma-2-like blocks: a causal window with sinks, then full
-    causal attention; grouped heads, RoPE, query/key norms, soft-cap and
-    dropout in both. Compiled by `fit` (`jit_compile=True`)."""
+    causal attention with ALiBi; grouped heads, RoPE, query/key norms,
+    soft-cap and dropout in both. Compiled by `fit` (`jit_compile=True`)."""
     inputs = keras.Input((STEPS, 16))
     h = inputs
     for window in (4, None):
@@ -146,7 +189,7 @@ def _every_feature_model():
             num_heads=4, key_dim=4, num_key_value_heads=2, dropout=0.1,
             rotary_embedding=keras_mha.RotaryEmbedding(), qk_norm="rms",
             attn_logits_soft_cap=20.0, use_sinks=window is not None,
-            sliding_window=window,
+            use_alibi=window is None, sliding_window=window,
         )
         h = keras.layers.LayerNormalization()(
             h + attention(h, h, use_causal_mask=True)
@@ -179,8 +222,35 @@ def _our_graph_breaks(messages):
     return ours
 
 
+@contextlib.contextmanager
+def _graph_breaks():
+    """Collects Dynamo's log messages of graph breaks (each with its user
+    stack) into the list it yields; nothing on backends other than torch."""
+    messages = []
+    if BACKEND != "torch":
+        yield messages
+        return
+    log = logging.getLogger("torch._dynamo.symbolic_convert.__graph_breaks")
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Collect(logging.DEBUG)
+    saved = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    try:
+        yield messages
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+
 @pytest.mark.training
-@pytest.mark.skipif(BACKEND == "numpy", reason="NumPy has no training")
+@COMPILED
 def test_fit_step_compiles_once(rng, monkeypatch):
     """`fit` with `jit_compile=True`: the model's step is traced during
     the first two steps and never again. Under `torch.compile`, counted by
@@ -190,25 +260,12 @@ def test_fit_step_compiles_once(rng, monkeypatch):
     survive, and Inductor's code generation would take minutes here."""
     calls = []
     if BACKEND == "torch":
-        import logging
-
         import torch
         from torch._dynamo.utils import counters
 
         compile_ = torch.compile
         monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile_(
             fn, backend="aot_eager", **kwargs))
-        messages = []
-
-        class Breaks(logging.Handler):
-            def emit(self, record):
-                messages.append(record.getMessage())
-
-        log = logging.getLogger("torch._dynamo.symbolic_convert.__graph_breaks")
-        handler = Breaks(logging.DEBUG)
-        log.addHandler(handler)
-        monkeypatch.setattr(log, "level", logging.DEBUG)
-        monkeypatch.setattr(log, "propagate", False)
         torch._dynamo.reset()
         counters.clear()
 
@@ -231,17 +288,18 @@ def test_fit_step_compiles_once(rng, monkeypatch):
     model = _every_feature_model()
     x = rng.normal(size=(4, STEPS, 16)).astype("float32")
     y = rng.normal(size=(4, STEPS, 16)).astype("float32")
+    before = model.get_weights()
     losses = []
-    try:
+    with _graph_breaks() as messages:
         for step in range(5):
             losses.append(float(model.train_on_batch(x, y)))
             if step == 1:
                 after_two = traced()
-    finally:
-        if BACKEND == "torch":
-            log.removeHandler(handler)
     assert traced() == after_two
     assert np.isfinite(losses).all()
+    changed = [not np.allclose(a, b)
+               for a, b in zip(before, model.get_weights())]
+    assert sum(changed) >= len(changed) - 2  # all but the key biases
     if BACKEND == "torch":
         # Keras's train step breaks at least at `loss.backward()`.
         assert messages, "the log of graph breaks was not captured"

@@ -304,21 +304,11 @@ def main():
     print("REPORT " + json.dumps(report))
 
 
-MULTIDEVICE = os.environ.get("KERAS_MHA_MULTIDEVICE_TESTS") == "1"
-MULTIDEVICE_SKIP = (
-    "the multi-device children (8 simulated devices; two processes) take "
-    "minutes of JAX compilation, more than the suite's time budget "
-    "allows; KERAS_MHA_MULTIDEVICE_TESTS=1 runs them"
-)
-
-
 @pytest.fixture(scope="module")
 def report():
     if keras.backend.backend() != "jax":
         pytest.skip("Keras's distribution API is JAX-only; other backends "
                     "test the error (`TestErrors`)")
-    if not MULTIDEVICE:
-        pytest.skip(MULTIDEVICE_SKIP)
     env = dict(os.environ)
     env.update(
         KERAS_BACKEND="jax",
@@ -390,8 +380,6 @@ def test_two_processes():
     gradients of one device (`tests/context_two_processes.py`)."""
     if keras.backend.backend() != "jax":
         pytest.skip("Keras's distribution API is JAX-only")
-    if not MULTIDEVICE:
-        pytest.skip(MULTIDEVICE_SKIP)
     env = dict(os.environ)
     env.update(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=2")

@@ -36,12 +36,18 @@ import weakref
 import keras
 from keras import ops
 
+import keras_mha.attention.tuning as tuning
+
 
 def concrete_int(x):
     """`x` as a Python int when it has a value (a Python int, or a tensor in
-    an eager call); `None` when it is traced (`jax.jit`, `tf.function`)."""
+    an eager call); `None` when it is traced (`jax.jit`, `tf.function`,
+    `torch.compile`). Under `torch.compile` a tensor's value would be read
+    with a graph break, and the step recompiled for every new value."""
     if isinstance(x, numbers.Integral):
         return int(x)
+    if tuning.torch_compiling():
+        return None
     try:
         return int(ops.convert_to_numpy(x))
     except Exception:  # a tracer or a symbolic tensor: no value yet
@@ -95,7 +101,10 @@ def _forget(key):
 
 def is_in_place(cache):
     """Whether every tensor of `cache` (a tensor or a tuple) is registered
-    by `mark_in_place`."""
+    by `mark_in_place`. Under `torch.compile` none is: a compiled write
+    is functional, as under `jax.jit`."""
+    if tuning.torch_compiling():
+        return False
     tensors = cache if isinstance(cache, (tuple, list)) else (cache,)
     for tensor in tensors:
         ref = _IN_PLACE.get(id(tensor))

@@ -172,6 +172,10 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
             layout, slopes, dense, sinks,
         )
         return _heads_back(out, out_dtype)
+    if blocks is None and tuning.torch_compiling():
+        # Dynamo cannot capture a loop whose trip count is a tensor: one
+        # block of every slot, those at or after `limit` masked.
+        block, blocks = num_slots, 1
     shape = (batch, num_kv, groups, t_len)
     state = (
         ops.zeros((), "int32"),  # the block
@@ -194,7 +198,9 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
     if packed:
         q = _packed_query(q)
     constants = (q, cache, limit, query_positions, query_mask) + extra
-    cond, body = _loop(
+    # `lru_cache`'s wrapper is a graph break under `torch.compile`.
+    loop = _loop.__wrapped__ if tuning.torch_compiling() else _loop
+    cond, body = loop(
         block, num_slots, rolling, spec.causal, spec.window, spec.chunk,
         spec.soft_cap, slopes is not None, dense is not None, layout,
         (num_kv, groups) if packed else None,
@@ -332,7 +338,11 @@ def _slots(cache, start, size, layout, dtype):
     layout: `(B, b, K, H)` and `(B, b, K, V)` in `dtype`, and `(B|1, b)`
     booleans (every slot of keras-hub's cache counts as written). On torch
     the keys and the values are views of the cache."""
-    if layout == PAIR:
+    if layout == PAIR and size == cache.shape[2]:
+        slots = cache
+        keys, values = slots[:, 0], slots[:, 1]
+        written = ops.ones((1, size), "bool")
+    elif layout == PAIR:
         batch = ops.shape(cache)[0]
         slots = ops.slice(
             cache, (0, 0, start, 0, 0), (batch, 2, size) + tuple(cache.shape[3:])
@@ -352,6 +362,8 @@ def _slots(cache, start, size, layout, dtype):
 
 def _run(tensor, start, size):
     """Slots `[start, start + size)` of one of our cache's tensors."""
+    if size == tensor.shape[1]:  # all of them: no slice to trace
+        return tensor
     starts = (0, start) + (0,) * (tensor.ndim - 2)
     shape = (ops.shape(tensor)[0], size) + tuple(tensor.shape[2:])
     return ops.slice(tensor, starts, shape)
@@ -391,8 +403,9 @@ def _loop(block, num_slots, rolling, causal, window, chunk, soft_cap,
         batch = ops.shape(cache if pair else cache[0])[0]
         # The last block may overlap the one before it: its keys below
         # `i·b` were read already and are masked.
-        start = ops.minimum(i * block, num_slots - block)
         zero = ops.zeros((), "int32")
+        start = zero if block == num_slots else ops.minimum(
+            i * block, num_slots - block)
         if packed and pair:
             slots = ops.slice(
                 cache, (zero, zero, start, zero, zero),

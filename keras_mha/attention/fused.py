@@ -83,6 +83,11 @@ def fused_attention(query, key, value, spec):
     if term is not None and mask is not None:
         term = ops.where(mask, term, ops.cast(logits.MASKED_LOGIT, term.dtype))
         mask = None
+    flash = spec.flash_attention
+    if flash is None and tuning.torch_compiling():
+        # Keras's check for flash attention builds torch's `SDPAParams`, a
+        # graph break; unpinned, torch's SDPA picks its kernel itself.
+        flash = False
     output = ops.dot_product_attention(
         query,
         key,
@@ -91,7 +96,7 @@ def fused_attention(query, key, value, spec):
         mask=mask,
         scale=spec.scale,
         is_causal=native_causal,
-        flash_attention=spec.flash_attention,
+        flash_attention=flash,
     )  # (B, T, N, V)
     if has_key is not None:
         has_key = ops.transpose(has_key, (0, 2, 1, 3))  # (B|1, T, N|1, 1)

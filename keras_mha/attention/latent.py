@@ -35,7 +35,6 @@ shape: slot `p` (or `p mod w` rolling) holds position `p`.
 """
 
 import contextlib
-import contextvars
 
 from keras import ops
 
@@ -48,8 +47,10 @@ EXPANDED = "expanded"
 ABSORBED = "absorbed"
 COMPUTATIONS = (EXPANDED, ABSORBED)
 
-_forced = contextvars.ContextVar("keras_mha_latent_computation",
-                                 default=None)
+# The computations `force_computation` blocks hold, innermost last: a plain
+# list, which `torch.compile` reads as a constant (a `ContextVar` is a graph
+# break).
+_forced = []
 
 
 @contextlib.contextmanager
@@ -62,11 +63,11 @@ def force_computation(computation):
             f"`computation` must be one of {COMPUTATIONS}. Received: "
             f"computation={computation!r}"
         )
-    token = _forced.set(computation)
+    _forced.append(computation)
     try:
         yield
     finally:
-        _forced.reset(token)
+        _forced.pop()
 
 
 def computation(spec, query_length, cache=False, index=None, rolling=False,
@@ -82,9 +83,8 @@ def computation(spec, query_length, cache=False, index=None, rolling=False,
         absorbable: whether `kv_b`'s kernel can be read as floats (not
             quantized).
     """
-    forced = _forced.get()
-    if forced is not None:
-        return forced
+    if _forced:
+        return _forced[-1]
     if not absorbable or not cache:
         return EXPANDED
     route = dispatch.cache_route(spec, query_length, index, rolling)

@@ -393,6 +393,16 @@ def assume_platform(platform):
         _assumed.pop()
 
 
+def torch_compiling():
+    """Whether this call is being traced by `torch.compile` (Dynamo): the
+    paths then keep to what Dynamo captures in one graph."""
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
 def device_platform(*tensors):
     """The platform the active backend computes on: `cpu`, `gpu` or `tpu`.
 
