@@ -179,17 +179,27 @@ def test_decoding_steps_compile_once(rng, case):
 
 
 def _every_feature_model():
-    """Two Gemma-2-like blocks: a causal window with sinks, then full
-    causal attention with ALiBi; grouped heads, RoPE, query/key norms,
-    soft-cap and dropout in both. Compiled by `fit` (`jit_compile=True`)."""
+    """Two blocks: a causal window with sinks, RoPE and per-head RMS
+    query/key norms; then full causal attention with ALiBi, chunks, the
+    query temperature, YaRN and weightless L2 norms over the projections.
+    Grouped heads, soft-cap and dropout in both. Compiled by `fit`
+    (`jit_compile=True`)."""
     inputs = keras.Input((STEPS, 16))
     h = inputs
-    for window in (4, None):
+    blocks = (
+        dict(sliding_window=4, use_sinks=True, qk_norm="rms",
+             rotary_embedding=keras_mha.RotaryEmbedding()),
+        dict(use_alibi=True, attention_chunk_size=4,
+             query_temperature=(4.0, 0.1), qk_norm="l2",
+             qk_norm_scope="projection",
+             rotary_embedding=keras_mha.RotaryEmbedding(
+                 rope_type="yarn", scaling_factor=4.0,
+                 original_max_position_embeddings=4)),
+    )
+    for features in blocks:
         attention = keras_mha.MultiHeadAttention(
             num_heads=4, key_dim=4, num_key_value_heads=2, dropout=0.1,
-            rotary_embedding=keras_mha.RotaryEmbedding(), qk_norm="rms",
-            attn_logits_soft_cap=20.0, use_sinks=window is not None,
-            use_alibi=window is None, sliding_window=window,
+            attn_logits_soft_cap=20.0, **features,
         )
         h = keras.layers.LayerNormalization()(
             h + attention(h, h, use_causal_mask=True)
