@@ -291,7 +291,7 @@ def run(args):
         transient=True, disable=not errors.is_terminal,
     ) as progress:
         if features:
-            from keras_mha.cli import bench_features
+            import keras_mha.cli.bench_features as bench_features
 
             helpers = bench_features.Helpers(runner, time_alternately,
                                              _reason, _describe, _w,
