@@ -505,3 +505,41 @@ class TestRopeTypes:
         assert np.isfinite(decoded).all()
         np.testing.assert_allclose(decoded, _full(layers, x), atol=5e-2,
                                    rtol=5e-2)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's native step")
+@pytest.mark.parametrize("features", ["plain", "capped", "sinks_alibi"])
+def test_torch_latent_step_is_the_fused_one(rng, features):
+    """`latent_core` (latent attention's step: two products over the
+    latents and the rope keys where they lie) against `decode_core`
+    over the same slots as one key/value head, keys `[latent,
+    rope_key]`, values the latents; with padding, one row with no key
+    opened as `decode._native_step` opens it."""
+    import torch
+
+    from keras_mha.attention import decode_kernels as kernels
+
+    batch, groups, t_len, slots, rank, rope = 2, 3, 2, 7, 5, 3
+
+    def tensor(*shape):
+        return torch.tensor(rng.normal(size=shape).astype("float32"))
+
+    q = tensor(batch, 1, groups, t_len, rank + rope)
+    latents = tensor(batch, slots + 2, rank)[:, :slots]  # a view
+    rope_keys = tensor(batch, slots, rope)
+    mask = torch.tensor(rng.random((batch, 1, 1, t_len, slots)) > 0.3)
+    mask[0, ..., 0, :] = False
+    mask[0, ..., 0, 1] = True  # a row with one key
+    kwargs = {}
+    if features == "capped":
+        kwargs["soft_cap"] = 1.5
+    if features == "sinks_alibi":
+        kwargs["sinks"] = tensor(1, groups)
+        kwargs["alibi"] = tensor(1, 1, groups, t_len, slots)
+    out = kernels.latent_core(q, latents, rope_keys, mask, **kwargs)
+    keys = torch.cat([latents, rope_keys], -1)[:, :, None]
+    expected = kernels.decode_core(q, keys, latents[:, :, None], mask,
+                                   **kwargs)
+    assert tuple(out.shape) == (batch, 1, groups, t_len, rank)
+    np.testing.assert_allclose(out.numpy(), expected.numpy(), atol=1e-5,
+                               rtol=1e-5)

@@ -314,7 +314,10 @@ def _native_step(q, cache, size, limit, query_positions, query_mask, spec,
     values are strided views of the cache, never copied."""
     import keras_mha.attention.decode_kernels as decode_kernels
 
-    keys, values, written = _slots(cache, 0, size, layout, q.dtype)
+    if layout == LATENT:  # two parts read where they lie, not concatenated
+        latents, rope_keys, written = (_run(part, 0, size) for part in cache)
+    else:
+        keys, values, written = _slots(cache, 0, size, layout, q.dtype)
     positions = cache_lib.slot_positions(
         limit, _num_slots(cache, layout == PAIR), rolling,
         ops.arange(size, dtype="int32"),
@@ -328,8 +331,12 @@ def _native_step(q, cache, size, limit, query_positions, query_mask, spec,
         distance = query_positions[:, None] - positions[None, :]
         alibi = logits.alibi(slopes, distance[None, None, None], q.dtype)
     mask, has_key = masks_lib.open_empty_rows(mask)
-    out = decode_kernels.decode_core(q, keys, values, mask, alibi, sinks,
-                                     spec.soft_cap)
+    if layout == LATENT:
+        out = decode_kernels.latent_core(q, latents, rope_keys, mask, alibi,
+                                         sinks, spec.soft_cap)
+    else:
+        out = decode_kernels.decode_core(q, keys, values, mask, alibi, sinks,
+                                         spec.soft_cap)
     return masks_lib.zero_empty_rows(out, has_key)
 
 

@@ -6,7 +6,9 @@ pay Python's per-op dispatch in an eager call.
 
 torch: `decode_core` reads every slot of a step at once with the fused
 attention kernel, on strided views of the cache (its soft-cap and sinks
-share `kernels.py`'s autograd functions with the band).
+share `kernels.py`'s autograd functions with the band); `latent_core` does
+the same for multi-head latent attention's one shared head, with two
+products that read the latents and the rope keys where they lie.
 """
 
 import functools
@@ -181,3 +183,56 @@ def _chunked_step(rows, k, v, bias):
     )  # (chunks, K, R)
     weights = torch.exp(lse - lse.amax(0))[..., None]
     return ((out * weights).sum(0) / weights.sum(0))[None]
+
+
+def latent_core(q, latents, rope_keys, mask, alibi=None, sinks=None,
+                soft_cap=None):
+    """An absorbed latent decoding step (`decode.LATENT`) over the slots
+    below its limit at once, on torch: the logits of every head against
+    the latents and the rope keys as two products that read each where it
+    lies, a softmax over the slots, and one product with the latents.
+
+    The fused kernel would need the keys `[latent, rope_key]` as one
+    tensor (a copy of every slot read) and, with key and value sizes that
+    differ, runs torch's unfused path, which scales a copy of the keys.
+    With one shared head, the logits are `(G·T, S)` per batch row, a small
+    fraction of the `S·(R + P)` numbers the step reads.
+
+    Args:
+        q: `(B, 1, G, T, R + P)`, already scaled.
+        latents: `(B, S, R)`, a view of the cache's slots.
+        rope_keys: `(B, S, P)`.
+        mask: boolean `(B|1, 1, G|1, T, S)`, every row with at least one
+            key (`masks.open_empty_rows`).
+        alibi: `None`, or ALiBi's term broadcastable against `mask`.
+        sinks: `None`, or the `(1, G)` sink logits.
+        soft_cap: `None`, or `c > 0`.
+
+    Returns:
+        `(B, 1, G, T, R)`.
+    """
+    import torch
+
+    batch, _, groups, t_len, _ = q.shape
+    rank = latents.shape[-1]
+    rows = q.reshape(batch, groups * t_len, -1)
+    lat = latents.to(q.dtype)
+    # The slots as the product's rows: MKL takes `(S, R)·(R, G·T)` at about
+    # twice the speed of `(G·T, R)·(R, S)` for a few heads' rows.
+    scores = torch.bmm(lat, rows[..., :rank].transpose(1, 2))  # (B, S, G·T)
+    scores = scores.baddbmm_(rope_keys.to(q.dtype),
+                             rows[..., rank:].transpose(1, 2))
+    scores = scores.transpose(1, 2).reshape(batch, 1, groups, t_len, -1)
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    if alibi is not None:
+        scores = scores + alibi.to(q.dtype)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # one more logit per row, with no value
+        sink = sinks.to(q.dtype).reshape(1, 1, groups, 1, 1).expand(
+            batch, 1, groups, t_len, 1)
+        weights = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, -1)
+    out = torch.bmm(weights.reshape(batch, groups * t_len, -1), lat)
+    return out.reshape(batch, 1, groups, t_len, rank)
