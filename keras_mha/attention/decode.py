@@ -18,7 +18,9 @@ lies.
 Eager steps take a native route where the backend has one
 (`decode_kernels.py`): on torch (`decode_core`), the fused attention kernel
 over every slot below the limit, on strided views of the cache (a long
-step in chunks of slots merged by their log-sum-exp); on TensorFlow and
+step in chunks of slots merged by their log-sum-exp), and for the latent
+cache (`latent_core`) two products that read its latents and rope keys
+where they lie; on TensorFlow and
 JAX (`graph_decode`), the traced loop as one compiled function (a graph,
 `jax.jit`), which saves the loop's per-op dispatch.
 
