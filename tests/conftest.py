@@ -5,6 +5,7 @@ the same files run unchanged on each.
 """
 
 import importlib.util
+import os
 
 # torch must be imported before tensorflow (the other order can crash), and
 # some tests import both; tensorflow itself is only imported when used.
@@ -44,11 +45,57 @@ def rng():
 
 
 def _decode_implementations():
+    """The implementations an eager decoding step can take here. On JAX
+    every eager step takes the native route (`decode._eager_compilable`):
+    the portable loop compiled by `jax.jit`. Its Python run op by op, which
+    no call on JAX reaches, is run by TensorFlow's, torch's and NumPy's
+    suites; on JAX each of its ops would compile anew for every shape the
+    step's position gives (about a minute and a half of the suite)."""
     from keras_mha.attention import decode
 
+    if BACKEND == "jax":
+        return [decode.NATIVE]
     if decode.native_available():
         return [decode.PORTABLE, decode.NATIVE]
     return [decode.PORTABLE]
+
+
+def jax_children_session():
+    """The session that runs the tests whose work is all in JAX child
+    processes (several host devices, or several processes), or `None`
+    without JAX: torch's where a `keras-mha test` run has torch
+    (`KERAS_MHA_TEST_BACKENDS`), else JAX's. JAX's own session is the
+    longest of the run, and torch's runs beside it with TensorFlow's and
+    NumPy's; a child's backend is JAX whichever session starts it."""
+    if importlib.util.find_spec("jax") is None:
+        return None
+    names = [name for name in
+             os.environ.get("KERAS_MHA_TEST_BACKENDS", "").split(",") if name]
+    return "torch" if "torch" in names else "jax"
+
+
+def skip_unless_jax_children_here():
+    session = jax_children_session()
+    if session is None:
+        pytest.skip("the multi-device tests run in JAX child processes; "
+                    "JAX is not installed")
+    if session != BACKEND:
+        pytest.skip(f"the multi-device tests run in JAX child processes, "
+                    f"started from {session}'s session of the run "
+                    f"(`conftest.jax_children_session`)")
+
+
+def jax_child_env(devices):
+    """The environment of a JAX child process with `devices` host devices:
+    this one's, its backend and Keras home JAX's."""
+    env = dict(os.environ)
+    env.pop("KERAS_HOME", None)
+    env.update(
+        KERAS_BACKEND="jax",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+    )
+    return env
 
 
 @pytest.fixture(params=_decode_implementations())

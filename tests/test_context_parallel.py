@@ -13,7 +13,6 @@ whose slots are sharded. One process and one model keep the compiles few.
 """
 
 import json
-import os
 import re
 import pathlib
 import subprocess
@@ -22,6 +21,8 @@ import sys
 import keras
 import numpy as np
 import pytest
+from conftest import jax_child_env
+from conftest import skip_unless_jax_children_here
 
 import keras_mha
 from keras_mha.attention import dispatch
@@ -306,15 +307,8 @@ def main():
 
 @pytest.fixture(scope="module")
 def report():
-    if keras.backend.backend() != "jax":
-        pytest.skip("Keras's distribution API is JAX-only; other backends "
-                    "test the error (`TestErrors`)")
-    env = dict(os.environ)
-    env.update(
-        KERAS_BACKEND="jax",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
-        JAX_PLATFORMS="cpu",
-    )
+    skip_unless_jax_children_here()
+    env = jax_child_env(DEVICES)
     result = subprocess.run(
         [sys.executable, str(pathlib.Path(__file__).resolve())],
         env=env, capture_output=True, text=True, timeout=1800,
@@ -378,11 +372,8 @@ def test_two_processes():
     """Two processes on localhost (`keras.distribution.initialize`, JAX's
     CPU collectives), the context axis across both: the outputs and
     gradients of one device (`tests/context_two_processes.py`)."""
-    if keras.backend.backend() != "jax":
-        pytest.skip("Keras's distribution API is JAX-only")
-    env = dict(os.environ)
-    env.update(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    skip_unless_jax_children_here()
+    env = jax_child_env(2)
     script = pathlib.Path(__file__).resolve().parent / "context_two_processes.py"
     port = str(_free_port())
     processes = [

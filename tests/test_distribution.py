@@ -7,7 +7,6 @@ and weights after one SGD step match one device's.
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -15,6 +14,8 @@ import sys
 import keras
 import numpy as np
 import pytest
+from conftest import jax_child_env
+from conftest import skip_unless_jax_children_here
 
 import keras_mha
 from keras_mha.attention import dispatch
@@ -156,14 +157,8 @@ def _diff(actual, expected):
 
 @pytest.fixture(scope="module")
 def report():
-    if keras.backend.backend() != "jax":
-        pytest.skip("distribution is JAX-only")
-    env = dict(os.environ)
-    env.update(
-        KERAS_BACKEND="jax",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
-        JAX_PLATFORMS="cpu",
-    )
+    skip_unless_jax_children_here()
+    env = jax_child_env(DEVICES)
     result = subprocess.run(
         [sys.executable, str(pathlib.Path(__file__).resolve())],
         env=env,
