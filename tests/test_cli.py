@@ -26,6 +26,7 @@ from keras_mha.cli import compare
 from keras_mha.cli import decode_bench
 from keras_mha.cli import demo
 from keras_mha.cli import info
+from keras_mha.cli import latent_bench
 from keras_mha.cli import testrun
 
 TOKENS = ("банк", "у", "реки")
@@ -479,11 +480,49 @@ def test_bench_decode_steps_compute_the_same():
                                atol=1e-5)
 
 
+def test_bench_latent_times_four_steps(capsys):
+    """`bench --latent`: the latent layer's absorbed step with a cache the
+    caller owns and in place, its expanded step and `MultiHeadAttention`'s,
+    each with its cache's size and its time over the absorbed in-place
+    step's."""
+    args = cli.build_parser().parse_args(
+        ["bench", "--latent", "--lengths", "16", "--heads", "2",
+         "--repeats", "1"])
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out
+    assert "one decode step, eager, L=16, p=8: B=1, 2 heads" in out
+    rows = {cells[0]: cells[1:] for cells in (
+        [c.strip() for c in line.split("│")[1:-1]]
+        for line in out.splitlines() if line.startswith("│ "))}
+    assert list(rows) == list(latent_bench.STEPS)
+    fast = float(rows["absorbed in place"][1])
+    for name, (cache, ms, ratio) in rows.items():
+        assert float(ratio.rstrip("x")) == pytest.approx(
+            float(ms) / fast, rel=0.02), name
+    # Latents and rope keys (4 bytes each) and a flag per slot, against
+    # keys and values of every head.
+    latent = 16 * (latent_bench.RANK + latent_bench.ROPE) * 4 + 16
+    mha = 16 * 2 * (latent_bench.NOPE + latent_bench.ROPE
+                    + latent_bench.VALUE) * 4 + 16
+    assert rows["absorbed"][0] == f"{latent / 1024:,.1f} KiB"
+    assert rows["MultiHeadAttention in place"][0] == f"{mha / 1024:,.1f} KiB"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--latent", "--decode"], "--decode and --latent exclude each other"),
+    (["--latent", "--key-dim", "8", "--causal"],
+     "Received: --key-dim, --causal"),
+])
+def test_bench_latent_rejects_what_it_does_not_take(flags, message, capsys):
+    assert cli.main(["bench", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_bench_child_forwards_every_flag():
     flags = ["--batch", "2", "--lengths", "1k,4k", "--heads", "4",
              "--key-dim", "16", "--window", "none,128", "--repeats", "3",
              "--plot", "a.png", "--causal", "--backward", "--decode",
-             "--features"]
+             "--latent", "--features"]
     args = cli.build_parser().parse_args(["bench", "--backend", "jax",
                                           *flags])
     assert bench.child_args(args) == flags

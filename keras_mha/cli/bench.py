@@ -50,7 +50,7 @@ _SUFFIXES = {"k": 2**10, "m": 2**20}
 # Flags passed on to a child process (`--backend`) as given.
 _FLAGS = ("batch", "lengths", "heads", "key_dim", "window", "repeats",
           "plot")
-_SWITCHES = ("causal", "backward", "decode", "features")
+_SWITCHES = ("causal", "backward", "decode", "latent", "features")
 
 
 def child_args(args):
@@ -257,8 +257,23 @@ def run(args):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
                                TextColumn, TimeElapsedColumn)
 
-    if getattr(args, "decode", False) and getattr(args, "features", False):
-        raise CLIError("--decode and --features exclude each other")
+    chosen = [f"--{name}" for name in ("decode", "latent", "features")
+              if getattr(args, name, False)]
+    if len(chosen) > 1:
+        raise CLIError(f"{' and '.join(chosen)} exclude each other")
+    if getattr(args, "latent", False):
+        given = [flag for flag, value in (
+            ("--key-dim", args.key_dim), ("--window", args.window),
+            ("--backward", args.backward), ("--causal", args.causal),
+            ("--plot", args.plot)) if value]
+        if given:
+            raise CLIError(f"--latent times decode steps with DeepSeek V3's "
+                           f"head sizes; it takes --lengths, --batch, "
+                           f"--heads and --repeats. Received: "
+                           f"{', '.join(given)}")
+        from keras_mha.cli.latent_bench import run as run_latent
+
+        return run_latent(args, parse_sizes, time_alternately, device_name())
     if getattr(args, "decode", False):
         from keras_mha.cli.decode_bench import run as run_decode
 
