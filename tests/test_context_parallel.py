@@ -6,10 +6,13 @@ each mesh and without a distribution: its outputs, its gradients and the
 losses of 3 `fit` steps must agree. The model covers a causal window with
 sinks, segment ids and RoPE (the halo exchange, several hops when a shard
 is shorter than the window), full causal self-attention with grouped
-heads (the ring in zig-zag order), and non-causal cross-attention over a
-sharded encoder output (the ring in natural order), with padding from an
-`Embedding(mask_zero=True)`. A layer then decodes with a cache
-whose slots are sharded. One process and one model keep the compiles few.
+heads (the ring in zig-zag order), non-causal cross-attention over a
+sharded encoder output (the ring in natural order), causal multi-head
+latent attention (expanded, on the ring) and keras-hub's layer
+(`CachedMultiHeadAttention`, non-causal), with padding from an
+`Embedding(mask_zero=True)`. A layer then decodes with a cache whose slots
+are sharded, and a latent layer with its latent cache (read whole by each
+device). One process and one model keep the compiles few.
 """
 
 import json
@@ -40,7 +43,7 @@ MESHES = {
     "2x2x2": ((2, 2, 2), ("batch", "context", "model")),
 }
 # The model's attention outputs, each a case of the report.
-CASES = ("window", "causal", "cross")
+CASES = ("window", "causal", "cross", "latent", "cached")
 TOLERANCE = 1e-5
 # Each compile costs seconds on CI's 2 cores: `fit` (the same gradients
 # as `test_gradients`, through Keras's train step) and decoding run on the
@@ -66,10 +69,20 @@ def _build_model():
     )(h, h, use_causal_mask=True)
     h = h + causal
     cross = keras_mha.MultiHeadAttention(4, 8, name="cross")(h, encoded)
-    out = keras.layers.Dense(FEATURES, name="out")(h + cross)
+    h = h + cross
+    latent = keras_mha.MultiHeadLatentAttention(
+        4, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+        v_head_dim=8, q_lora_rank=8,
+        rotary_embedding=keras_mha.RotaryEmbedding(interleaved=True),
+        name="latent",
+    )(h, h, use_causal_mask=True)
+    h = h + latent
+    cached = keras_mha.CachedMultiHeadAttention(4, 8, name="cached")(h, h)
+    out = keras.layers.Dense(FEATURES, name="out")(h + cached)
     model = keras.Model(
         [tokens, segments, encoded],
-        {"window": window, "causal": causal, "cross": cross, "out": out},
+        {"window": window, "causal": causal, "cross": cross,
+         "latent": latent, "cached": cached, "out": out},
     )
     rng = np.random.default_rng(0)
     model.set_weights([
@@ -185,17 +198,25 @@ def _errors(mesh_name):
     return found
 
 
-def _decode(distribution):
+def _decode(distribution, latent=False):
     """A causal prompt with a cache, then 3 one-token steps under `jit`:
-    the outputs, and the cache's layout after the steps."""
+    the outputs, and the cache's layout after the steps. `latent`: a
+    `MultiHeadLatentAttention`, whose cache is not sharded."""
     import contextlib
 
     import jax
 
-    layer = keras_mha.MultiHeadAttention(
-        4, 8, num_key_value_heads=2, use_sinks=True,
-        rotary_embedding=keras_mha.RotaryEmbedding(), name="decode",
-    )
+    if latent:
+        layer = keras_mha.MultiHeadLatentAttention(
+            4, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+            v_head_dim=8, rotary_embedding=keras_mha.RotaryEmbedding(),
+            name="latent_decode",
+        )
+    else:
+        layer = keras_mha.MultiHeadAttention(
+            4, 8, num_key_value_heads=2, use_sinks=True,
+            rotary_embedding=keras_mha.RotaryEmbedding(), name="decode",
+        )
     prompt = LENGTH // 4
     x = np.random.default_rng(3).normal(size=(BATCH, prompt + 3, FEATURES))
     x = x.astype("float32")
@@ -273,6 +294,7 @@ def main():
     assert len(jax.devices()) == DEVICES, jax.devices()
     single = _results(None)
     single_decode, _ = _decode(None)
+    single_latent_decode, _ = _decode(None, latent=True)
     report = {}
     for mesh_name in MESHES:
         outputs, gradients, fit = _results(_distribution(mesh_name),
@@ -299,6 +321,9 @@ def main():
             decoded, cache_layout = _decode(_distribution(mesh_name))
             report[mesh_name]["decode"] = _diff(decoded, single_decode)
             report[mesh_name]["cache_layout"] = cache_layout
+            decoded, _ = _decode(_distribution(mesh_name), latent=True)
+            report[mesh_name]["latent_decode"] = _diff(
+                decoded, single_latent_decode)
     report["errors"] = _errors("2x4")
     report["hlo"] = _hlo()
     report["docs"] = _docs_example()
@@ -338,6 +363,13 @@ def test_decode_with_a_sharded_cache(report, mesh):
     assert report[mesh]["decode"] < TOLERANCE
     # The cache's slots stayed sharded over the context axis.
     assert "'context'" in report[mesh]["cache_layout"]
+
+
+@pytest.mark.parametrize("mesh", DECODE_MESHES)
+def test_latent_decode(report, mesh):
+    """A prompt attended context-parallel, then steps over the latent
+    cache, which each device reads whole."""
+    assert report[mesh]["latent_decode"] < TOLERANCE
 
 
 @pytest.mark.training
