@@ -715,3 +715,20 @@ def test_test_tells_each_run_the_backends_of_the_whole_run(tmp_path):
     env = testrun._env("jax", str(tmp_path), ["jax", "numpy"])
     assert env["KERAS_BACKEND"] == "jax"
     assert env["KERAS_MHA_TEST_BACKENDS"] == "jax,numpy"
+
+
+def test_test_runs_with_xlas_elementwise_emitters_where_it_compiles(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    for backend in ("jax", "tensorflow"):
+        env = testrun._env(backend, str(tmp_path), [backend])
+        assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x " + (
+            testrun.XLA_TEST_FLAG)
+    # torch's run starts the JAX children of the multi-device tests: XLA's
+    # defaults there.
+    assert testrun._env("torch", str(tmp_path), ["torch"])["XLA_FLAGS"] == (
+        "--xla_dump_to=/tmp/x")
+    # A choice of emitters given stays.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=true")
+    assert testrun._env("jax", str(tmp_path), ["jax"])["XLA_FLAGS"] == (
+        "--xla_cpu_use_fusion_emitters=true")

@@ -6,7 +6,8 @@ ARGS` in the current folder, which must be a source checkout (`tests/` and
 when ARGS name test files, with `KERAS_BACKEND=<backend>`, where the folder
 exists, `KERAS_HOME=configs/<backend>`, and `KERAS_MHA_TEST_BACKENDS`, the
 backends of the whole run (`benchmarks/tests` collects its tests that touch
-no backend on one of them only). With one job the output streams as
+no backend on one of them only); JAX's and TensorFlow's runs add
+`XLA_TEST_FLAG` to `XLA_FLAGS`. With one job the output streams as
 it comes; with more, each backend's output is printed whole when it
 finishes. A summary line per backend closes the run; any failure (tests
 failing, no tests collected, backend not installed) makes the exit code 1.
@@ -90,9 +91,21 @@ def _command(pytest_args, color):
     return command + list(pytest_args)
 
 
+# XLA's CPU code generators: its element-wise emitters compile an op in
+# about 60% of the time its fusion emitters take, and compiling the ops of
+# eager calls for every shape they meet is most of JAX's run. The sessions
+# that compile with XLA use them; torch's, which starts the JAX child
+# processes of the multi-device tests, keeps XLA's defaults.
+XLA_TEST_FLAG = "--xla_cpu_use_fusion_emitters=false"
+XLA_TEST_BACKENDS = ("jax", "tensorflow")
+
+
 def _env(backend, root, backends):
     env = backend_env(backend, quiet=False)
     env["PYTHONUNBUFFERED"] = "1"  # stream lines as pytest prints them
+    flags = env.get("XLA_FLAGS", "")
+    if backend in XLA_TEST_BACKENDS and "fusion_emitters" not in flags:
+        env["XLA_FLAGS"] = f"{flags} {XLA_TEST_FLAG}".strip()
     env["KERAS_MHA_TEST_BACKENDS"] = ",".join(backends)
     home = os.path.join(root, "configs", backend)
     if os.path.isdir(home):
