@@ -252,8 +252,6 @@ class TestBandedImplementations:
         if BACKEND == "torch":  # the native kernels' own gradients
             import torch
 
-            from keras_mha.attention import kernels
-
             # Soft-capped blocks two at a time: steps of 2 and 1 blocks.
             monkeypatch.setitem(tuning.OVERRIDES, "capped_chunk", 2)
 

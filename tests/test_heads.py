@@ -11,7 +11,6 @@ key/value heads of 8.
 import keras
 import numpy as np
 import pytest
-from conftest import BACKEND
 from util import assert_close
 from util import compiled
 from util import make_layer

@@ -14,7 +14,6 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from conftest import BACKEND
 from reference import layer_weights
 from util import assert_close
 from util import layer_gradients

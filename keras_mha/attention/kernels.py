@@ -97,7 +97,7 @@ def banded_core(query, key, value, mask, scale, band, alibi=None,
     batch, padded_len, num_heads, head = query.shape
     num_kv, value_head = key.shape[2], value.shape[3]
     groups = num_heads // num_kv
-    n, b, span = band.num_blocks, band.block, band.span
+    n, b = band.num_blocks, band.block
     # The query blocks become the kernel's "heads" and the grouped query
     # heads extra rows: (B·K, n, G·b, H) against keys (B·K, n, span, H), so
     # keys are never repeated per group.

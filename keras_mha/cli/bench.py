@@ -36,7 +36,7 @@ import statistics
 import time
 
 from keras_mha.cli.common import CLIError
-from keras_mha.cli.common import backend_version
+from keras_mha.cli.common import device_line
 
 INSTALL_PLOT = 'pip install "keras-mha[plot]"'
 LAYERS = ("keras", "ours")
@@ -333,9 +333,7 @@ def run(args):
             interrupted = True
     console = Console(highlight=False)
     mode = "forward+backward" if args.backward else "forward"
-    versions = f"{backend} {backend_version(backend) or ''}".strip()
-    console.print(f"device: {device} ({versions}, keras "
-                  f"{keras.__version__})")
+    console.print(device_line(device))
     if rows and features:
         console.print(bench_features.table(rows, shape, mode, repeats,
                                            helpers))

@@ -221,3 +221,26 @@ def read_json(path, what):
         raise CLIError(f"cannot read {what} {path}: {error.strerror}")
     except ValueError as error:
         raise CLIError(f"{what} {path} is not valid JSON: {error}")
+
+
+def device_line(device):
+    """The first line of a benchmark's output: the device, the active
+    backend and its version, Keras's version."""
+    import keras
+
+    backend = keras.backend.backend()
+    versions = f"{backend} {backend_version(backend) or ''}".strip()
+    return f"device: {device} ({versions}, keras {keras.__version__})"
+
+
+def without_gradients(fn):
+    """`fn()`, under `torch.no_grad()` on torch (as inference runs)."""
+    import keras
+
+    if keras.backend.backend() != "torch":
+        return fn()
+    import torch
+
+    with torch.no_grad():
+        return fn()
+

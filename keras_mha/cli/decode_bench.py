@@ -30,11 +30,10 @@ def run(args, parse_sizes, time_alternately, device):
     """`keras-mha bench --decode`: returns the exit code."""
     import importlib.util
 
-    import keras
     from rich.console import Console
 
     from keras_mha.cli.common import CLIError
-    from keras_mha.cli.common import backend_version
+    from keras_mha.cli.common import device_line
 
     if importlib.util.find_spec("keras_hub") is None:
         raise CLIError("--decode compares with keras-hub's "
@@ -44,11 +43,8 @@ def run(args, parse_sizes, time_alternately, device):
     shape = (args.batch or 1, args.heads or 8, args.key_dim or 64)
     rows = [measure(shape, slots, repeats, time_alternately)
             for slots in lengths]
-    backend = keras.backend.backend()
     console = Console(highlight=False)
-    versions = f"{backend} {backend_version(backend) or ''}".strip()
-    console.print(f"device: {device} ({versions}, keras "
-                  f"{keras.__version__})")
+    console.print(device_line(device))
     console.print(table(rows, shape, repeats))
     return 0
 
@@ -76,6 +72,7 @@ def measure(shape, slots, repeats, time_alternately):
     from keras import ops
 
     from keras_mha.attention import cache as cache_lib
+    from keras_mha.cli.common import without_gradients
 
     batch, heads, head = shape
     position = min(MAX_POSITION, slots - 1)
@@ -109,24 +106,12 @@ def measure(shape, slots, repeats, time_alternately):
 
         return name, call
 
-    times = _without_gradients(lambda: time_alternately(
+    times = without_gradients(lambda: time_alternately(
         [step(name) for name in state], repeats))
     row = {"slots": slots, "position": position}
     row.update({name: statistics.median(t) * 1e3
                 for name, t in times.items()})
     return row
-
-
-def _without_gradients(fn):
-    """`fn()`, under `torch.no_grad()` on torch (as inference runs)."""
-    import keras
-
-    if keras.backend.backend() != "torch":
-        return fn()
-    import torch
-
-    with torch.no_grad():
-        return fn()
 
 
 def table(rows, shape, repeats):

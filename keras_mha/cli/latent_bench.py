@@ -31,21 +31,17 @@ STEPS = ("absorbed", "absorbed in place", "expanded in place",
 
 def run(args, parse_sizes, time_alternately, device):
     """`keras-mha bench --latent`: returns the exit code."""
-    import keras
     from rich.console import Console
 
-    from keras_mha.cli.common import backend_version
+    from keras_mha.cli.common import device_line
 
     lengths = parse_sizes(args.lengths or "32k", "lengths")
     repeats = args.repeats or 10
     batch, heads = args.batch or 1, args.heads or 16
     rows = [measure(batch, heads, slots, repeats, time_alternately)
             for slots in lengths]
-    backend = keras.backend.backend()
     console = Console(highlight=False)
-    versions = f"{backend} {backend_version(backend) or ''}".strip()
-    console.print(f"device: {device} ({versions}, keras "
-                  f"{keras.__version__})")
+    console.print(device_line(device))
     for row in rows:
         console.print(table(row, batch, heads, repeats))
     return 0
@@ -84,6 +80,7 @@ def measure(batch, heads, slots, repeats, time_alternately):
 
     from keras_mha.attention import cache as cache_lib
     from keras_mha.attention import latent as latent_lib
+    from keras_mha.cli.common import without_gradients
 
     position = slots // 2
     latent, mha = layers(heads)
@@ -127,7 +124,7 @@ def measure(batch, heads, slots, repeats, time_alternately):
     row = {"slots": slots, "position": position,
            "latent bytes": _bytes(state["absorbed"]),
            "mha bytes": _bytes(mha_cache)}
-    times = _without_gradients(lambda: time_alternately(
+    times = without_gradients(lambda: time_alternately(
         [step(name) for name in STEPS], repeats))
     row.update({name: statistics.median(t) * 1e3
                 for name, t in times.items()})
@@ -142,18 +139,6 @@ def _bytes(cache):
             count *= dim
         total += count * (1 if "bool" in str(tensor.dtype) else 4)
     return total
-
-
-def _without_gradients(fn):
-    """`fn()`, under `torch.no_grad()` on torch (as inference runs)."""
-    import keras
-
-    if keras.backend.backend() != "torch":
-        return fn()
-    import torch
-
-    with torch.no_grad():
-        return fn()
 
 
 def table(row, batch, heads, repeats):
