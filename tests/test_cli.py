@@ -481,12 +481,12 @@ def test_bench_decode_steps_compute_the_same():
 
 
 def test_bench_latent_times_four_steps(capsys):
-    """`bench --latent`: the latent layer's absorbed step with a cache the
-    caller owns and in place, its expanded step and `MultiHeadAttention`'s,
-    each with its cache's size and its time over the absorbed in-place
-    step's."""
+    """`bench --decode --latent`: the latent layer's absorbed step with a
+    cache the caller owns and in place, its expanded step and
+    `MultiHeadAttention`'s, each with its cache's size and its time over
+    the absorbed in-place step's."""
     args = cli.build_parser().parse_args(
-        ["bench", "--latent", "--lengths", "16", "--heads", "2",
+        ["bench", "--decode", "--latent", "--lengths", "16", "--heads", "2",
          "--repeats", "1"])
     assert bench.run(args) == 0
     out = capsys.readouterr().out
@@ -509,8 +509,10 @@ def test_bench_latent_times_four_steps(capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--latent", "--decode"], "--decode and --latent exclude each other"),
-    (["--latent", "--key-dim", "8", "--causal"],
+    (["--latent"], "use it with --decode"),
+    (["--latent", "--decode", "--features"],
+     "--decode and --features exclude each other"),
+    (["--decode", "--latent", "--key-dim", "8", "--causal"],
      "Received: --key-dim, --causal"),
 ])
 def test_bench_latent_rejects_what_it_does_not_take(flags, message, capsys):

@@ -184,10 +184,10 @@ def build_parser():
                        "cache, at p=1k in caches of --lengths slots "
                        "(default 64k)")
     bench.add_argument("--latent", action="store_true",
-                       help="time one eager decode step of "
-                       "MultiHeadLatentAttention (DeepSeek V3's head sizes, "
-                       "--heads default 16): absorbed with a cache the "
-                       "caller owns and in place, expanded, and "
+                       help="with --decode: time one eager decode step of "
+                       "MultiHeadLatentAttention instead (DeepSeek V3's "
+                       "head sizes, --heads default 16): absorbed with a "
+                       "cache the caller owns and in place, expanded, and "
                        "MultiHeadAttention with the same heads, at p=L/2 "
                        "in caches of --lengths slots (default 32k)")
     bench.add_argument("--repeats", type=positive_int, metavar="R",

@@ -257,19 +257,20 @@ def run(args):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
                                TextColumn, TimeElapsedColumn)
 
-    chosen = [f"--{name}" for name in ("decode", "latent", "features")
-              if getattr(args, name, False)]
-    if len(chosen) > 1:
-        raise CLIError(f"{' and '.join(chosen)} exclude each other")
+    if getattr(args, "decode", False) and getattr(args, "features", False):
+        raise CLIError("--decode and --features exclude each other")
     if getattr(args, "latent", False):
+        if not getattr(args, "decode", False):
+            raise CLIError("--latent times multi-head latent attention's "
+                           "decode step: use it with --decode")
         given = [flag for flag, value in (
             ("--key-dim", args.key_dim), ("--window", args.window),
             ("--backward", args.backward), ("--causal", args.causal),
             ("--plot", args.plot)) if value]
         if given:
-            raise CLIError(f"--latent times decode steps with DeepSeek V3's "
-                           f"head sizes; it takes --lengths, --batch, "
-                           f"--heads and --repeats. Received: "
+            raise CLIError(f"--decode --latent times decode steps with "
+                           f"DeepSeek V3's head sizes; it takes --lengths, "
+                           f"--batch, --heads and --repeats. Received: "
                            f"{', '.join(given)}")
         from keras_mha.cli.latent_bench import run as run_latent
 

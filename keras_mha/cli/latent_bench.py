@@ -1,4 +1,4 @@
-"""`keras-mha bench --latent`: one decode step of multi-head latent
+"""`keras-mha bench --decode --latent`: one decode step of multi-head latent
 attention, absorbed and expanded, and of `MultiHeadAttention`.
 
 For each cache size `L` given (`--lengths`, default 32k), one token
@@ -30,7 +30,7 @@ STEPS = ("absorbed", "absorbed in place", "expanded in place",
 
 
 def run(args, parse_sizes, time_alternately, device):
-    """`keras-mha bench --latent`: returns the exit code."""
+    """`keras-mha bench --decode --latent`: returns the exit code."""
     from rich.console import Console
 
     from keras_mha.cli.common import device_line
