@@ -4,9 +4,9 @@ Each installed backend saves a few small Functional models once, as
 `.keras` and as `.weights.h5`, with its own outputs on fixed inputs (the
 other backends in subprocesses: `python tests/test_checkpoints.py DIR`, run
 in parallel; the current one in this process). The tests load every file
-into the current backend and compare the outputs with the saver's. Every
-backend's session does the same, so together they cover the whole matrix
-while each session starts only three subprocesses.
+into the current backend and compare the outputs with the saver's, so the
+sessions of a `keras-mha test` run cover the whole matrix; they share the
+saved files (the `saved` fixture), so each backend saves once a run.
 """
 
 import importlib.util
@@ -95,16 +95,30 @@ def save_all(directory):
     (directory / "done.json").write_text(json.dumps(keras.backend.backend()))
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """backend -> folder of its files; the other backends in parallel."""
-    root = tmp_path_factory.mktemp("checkpoints")
+def _lock(path, wait):
+    """`path` opened and locked (`flock`), or `None` when another process
+    holds it and `wait` is false."""
+    import fcntl
+
+    file = open(path, "w")
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        file.close()
+        return None
+    return file
+
+
+def _save(root, backends):
+    """Saves `backends`' files under `root`: the current backend in this
+    process, the others in subprocesses, in parallel."""
     current = keras.backend.backend()
     processes = {}
-    for backend in INSTALLED:
+    for backend in backends:
         if backend == current:
             continue
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+        env.pop("KERAS_HOME", None)
         processes[backend] = subprocess.Popen(
             [sys.executable, str(pathlib.Path(__file__).resolve()),
              str(root / backend)],
@@ -113,13 +127,56 @@ def saved(tmp_path_factory):
             stderr=subprocess.STDOUT,
             text=True,
         )
-    save_all(root / current)
+    if current in backends:
+        save_all(root / current)
     failures = {}
     for backend, process in processes.items():
         output, _ = process.communicate(timeout=600)
         if process.returncode:
             failures[backend] = output[-3000:]
     assert not failures, failures
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """backend -> folder of its files.
+
+    In a `keras-mha test` run the sessions share one folder
+    (`KERAS_MHA_TEST_SHARED`): each backend's files are saved once, by the
+    first session to claim them (a lock per backend), and the other
+    sessions wait for them. Alone, a session saves every backend's."""
+    shared = os.environ.get("KERAS_MHA_TEST_SHARED")
+    if shared and importlib.util.find_spec("fcntl") is not None:
+        root = pathlib.Path(shared) / "checkpoints"
+        root.mkdir(parents=True, exist_ok=True)
+    else:
+        root = tmp_path_factory.mktemp("checkpoints")
+        _save(root, INSTALLED)
+        return {backend: root / backend for backend in INSTALLED}
+
+    def done(backend):
+        return (root / backend / "done.json").exists()
+
+    pending = list(INSTALLED)
+    while pending:
+        claimed, theirs = {}, []
+        try:
+            for backend in pending:
+                lock = _lock(root / f"{backend}.lock", wait=False)
+                if lock is None:
+                    theirs.append(backend)
+                elif done(backend):
+                    lock.close()
+                else:
+                    claimed[backend] = lock
+            _save(root, list(claimed))
+        finally:
+            for lock in claimed.values():
+                lock.close()
+        for backend in theirs:  # wait for the session saving them
+            _lock(root / f"{backend}.lock", wait=True).close()
+        # A session that failed left its backends unsaved: claim them here.
+        pending = [backend for backend in theirs if not done(backend)]
     return {backend: root / backend for backend in INSTALLED}
 
 

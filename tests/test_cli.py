@@ -734,3 +734,27 @@ def test_test_runs_with_xlas_elementwise_emitters_where_it_compiles(
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=true")
     assert testrun._env("jax", str(tmp_path), ["jax"])["XLA_FLAGS"] == (
         "--xla_cpu_use_fusion_emitters=true")
+
+
+def test_test_runs_share_a_folder_removed_at_the_end(tmp_path, monkeypatch,
+                                                      capsys):
+    """Every backend's run of one `keras-mha test` gets the same
+    `KERAS_MHA_TEST_SHARED` folder (the checkpoints are saved there once);
+    the run removes it."""
+    pytest.importorskip("jax")
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "tests").mkdir()
+    seen = tmp_path / "seen"
+    (tmp_path / "tests" / "test_a.py").write_text(
+        "import os, pathlib\n"
+        "def test_a():\n"
+        "    shared = os.environ['KERAS_MHA_TEST_SHARED']\n"
+        "    assert os.path.isdir(shared)\n"
+        f"    with open({str(seen)!r}, 'a') as f:\n"
+        "        f.write(shared + '\\n')\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["test", "--backends", "jax,numpy", "-j", "2"]) == 0
+    capsys.readouterr()
+    folders = seen.read_text().split()
+    assert len(folders) == 2 and folders[0] == folders[1]
+    assert not os.path.exists(folders[0])

@@ -6,7 +6,9 @@ ARGS` in the current folder, which must be a source checkout (`tests/` and
 when ARGS name test files, with `KERAS_BACKEND=<backend>`, where the folder
 exists, `KERAS_HOME=configs/<backend>`, and `KERAS_MHA_TEST_BACKENDS`, the
 backends of the whole run (`benchmarks/tests` collects its tests that touch
-no backend on one of them only); JAX's and TensorFlow's runs add
+no backend on one of them only), `KERAS_MHA_TEST_SHARED`, a folder the
+runs share (removed at the end: `tests/test_checkpoints.py` saves each
+backend's files there once); JAX's and TensorFlow's runs add
 `XLA_TEST_FLAG` to `XLA_FLAGS`. With one job the output streams as
 it comes; with more, each backend's output is printed whole when it
 finishes. A summary line per backend closes the run; any failure (tests
@@ -16,8 +18,10 @@ failing, no tests collected, backend not installed) makes the exit code 1.
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -100,9 +104,11 @@ XLA_TEST_FLAG = "--xla_cpu_use_fusion_emitters=false"
 XLA_TEST_BACKENDS = ("jax", "tensorflow")
 
 
-def _env(backend, root, backends):
+def _env(backend, root, backends, shared=None):
     env = backend_env(backend, quiet=False)
     env["PYTHONUNBUFFERED"] = "1"  # stream lines as pytest prints them
+    if shared is not None:
+        env["KERAS_MHA_TEST_SHARED"] = shared
     flags = env.get("XLA_FLAGS", "")
     if backend in XLA_TEST_BACKENDS and "fusion_emitters" not in flags:
         env["XLA_FLAGS"] = f"{flags} {XLA_TEST_FLAG}".strip()
@@ -113,12 +119,12 @@ def _env(backend, root, backends):
     return env
 
 
-def _start(job, pytest_args, root, color, backends):
+def _start(job, pytest_args, root, color, backends, shared):
     job.started = time.perf_counter()
     job.process = subprocess.Popen(
         _command(pytest_args, color),
         cwd=root,
-        env=_env(job.backend, root, backends),
+        env=_env(job.backend, root, backends, shared),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -154,20 +160,23 @@ def run(backends=None, jobs=1, pytest_args=()):
                             f'"keras-mha[{each.backend}]")')
     color = sys.stdout.isatty()
     names = [each.backend for each in runnable]  # the backends that run
+    shared = tempfile.mkdtemp(prefix="keras-mha-test-")
     try:
         if jobs <= 1:
             for each in runnable:
                 _banner(each.backend)
-                _start(each, pytest_args, root, color, names)
+                _start(each, pytest_args, root, color, names, shared)
                 each.read(stream_to=sys.stdout)
                 _finish(each)
         else:
-            _run_parallel(runnable, jobs, pytest_args, root, color, names)
+            _run_parallel(runnable, jobs, pytest_args, root, color, names,
+                          shared)
     finally:
         for each in runnable:
             if each.process is not None and each.process.poll() is None:
                 each.process.kill()
                 each.process.wait()
+        shutil.rmtree(shared, ignore_errors=True)
 
     print()
     for each in runs:
@@ -176,7 +185,7 @@ def run(backends=None, jobs=1, pytest_args=()):
     return 0 if all(each.passed for each in runs) else 1
 
 
-def _run_parallel(runs, jobs, pytest_args, root, color, backends):
+def _run_parallel(runs, jobs, pytest_args, root, color, backends, shared):
     """Runs up to `jobs` backends at once; prints each one's output whole."""
     pending = list(runs)
     printing = threading.Lock()
@@ -196,7 +205,7 @@ def _run_parallel(runs, jobs, pytest_args, root, color, backends):
     threads = []
     for each in pending:
         slots.acquire()
-        _start(each, pytest_args, root, color, backends)
+        _start(each, pytest_args, root, color, backends, shared)
         thread = threading.Thread(target=work, args=(each,), daemon=True)
         thread.start()
         threads.append(thread)
