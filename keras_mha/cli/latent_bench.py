@@ -132,13 +132,17 @@ def measure(batch, heads, slots, repeats, time_alternately):
 
 
 def _bytes(cache):
-    total = 0
-    for tensor in cache:
-        count = 1
-        for dim in tensor.shape:
-            count *= dim
-        total += count * (1 if "bool" in str(tensor.dtype) else 4)
-    return total
+    """The bytes of a cache's tensors, from their shapes and dtypes."""
+    import math
+
+    import keras
+    import numpy as np
+
+    return sum(
+        math.prod(tensor.shape)
+        * np.dtype(keras.backend.standardize_dtype(tensor.dtype)).itemsize
+        for tensor in cache
+    )
 
 
 def table(row, batch, heads, repeats):
