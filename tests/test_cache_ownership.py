@@ -9,6 +9,8 @@ tensors, JAX donates the ones given), and the returned cache stays
 in-place.
 """
 
+import gc
+
 import keras
 import numpy as np
 import pytest
@@ -224,6 +226,101 @@ class TestInPlaceMode:
         layer, _ = _mha(rng)
         with pytest.raises(TypeError, match="in_place"):
             layer.init_cache(BATCH, LENGTH, in_place=bad)
+
+
+@pytest.mark.skipif(BACKEND not in ("torch", "jax"),
+                    reason="cache_kernels.copy_slots serves torch and JAX")
+class TestRecycledMemory:
+    """A functional eager write on the CPU copies the cache into the
+    memory of a cache of the same size that nothing refers to any more
+    (`cache_kernels._Recycler`), never into one still referred to."""
+
+    SLOTS = 37  # a size of its own: no other test's caches share its lists
+
+    def _loop(self, rng, keep=None):
+        if BACKEND == "jax":
+            return self._steps(rng, keep)
+        import torch
+
+        with torch.no_grad():  # no step's output keeps an old cache alive
+            return self._steps(rng, keep)
+
+    def _steps(self, rng, keep):
+        layer, x = _mha(rng)
+        full = to_numpy(layer(x, x, use_causal_mask=True))
+        x = np.concatenate([x] * 2, axis=1)[:, : self.SLOTS]
+        cache = layer.init_cache(BATCH, self.SLOTS)
+        outputs, pointers = [], []
+        for i in range(LENGTH):
+            out, cache = layer(x[:, i : i + 1], x[:, i : i + 1],
+                               use_causal_mask=True, cache=cache,
+                               cache_update_index=i)
+            outputs.append(to_numpy(out))
+            pointers.append({_pointer(t) for t in cache})
+            if keep is not None and i == 1:
+                keep(cache)
+            # Keras's call flattens its arguments with torch's pytree,
+            # whose closures hold them in a reference cycle until the
+            # collector runs; here it runs at every step.
+            gc.collect()
+        assert_close(np.concatenate(outputs, axis=1), full)
+        return cache, pointers
+
+    def test_a_dropped_cache_is_reused(self, rng):
+        _, pointers = self._loop(rng)
+        # Each step's cache lies where that of two steps before did.
+        assert pointers[2:] == pointers[:-2]
+        assert not pointers[0] & pointers[1]
+
+    def test_a_cache_still_referred_to_is_not_reused(self, rng):
+        kept = {}
+
+        def keep(cache):
+            # torch: a view of the keys; both: a NumPy array of the values
+            if BACKEND == "torch":
+                kept["view"] = cache[0][:, :3]
+            kept["array"] = np.asarray(cache[1])
+            kept["before"] = _snapshot(cache)
+
+        self._loop(rng, keep)
+        if BACKEND == "torch":
+            np.testing.assert_array_equal(to_numpy(kept["view"]),
+                                          kept["before"][0][:, :3])
+        np.testing.assert_array_equal(kept["array"], kept["before"][1])
+
+    def test_nothing_is_kept_once_the_caches_are_dropped(self, rng):
+        from keras_mha.attention import cache_kernels
+
+        cache, _ = self._loop(rng)
+        sizes = {t.size * t.dtype.itemsize if BACKEND == "jax"
+                 else t.numel() * t.element_size() for t in cache}
+        assert cache_kernels._RECYCLER.free_bytes(sizes) > 0
+        del cache
+        gc.collect()
+        assert cache_kernels._RECYCLER.free_bytes(sizes) == 0
+
+    @pytest.mark.skipif(BACKEND != "torch", reason="torch's autograd")
+    def test_gradients_flow_through_a_recycled_write(self, rng):
+        """Into the cache's slots that stay and into the new tokens, as
+        through `slice_update` (JAX differentiates traced calls, which
+        `copy_slots` does not serve)."""
+        import torch
+
+        from keras_mha.attention import cache_kernels
+
+        cache = torch.zeros((1, 4, 1, 2), requires_grad=True)
+        new = torch.ones((1, 1, 1, 2), requires_grad=True)
+        assert cache_kernels.can_copy_slots(cache, new)
+        written = cache_lib._write_run(cache, new, 1)
+        (written * torch.arange(1.0, 9.0).reshape(1, 4, 1, 2)).sum().backward()
+        assert new.grad.flatten().tolist() == [3.0, 4.0]
+        assert cache.grad.flatten().tolist() == [1, 2, 0, 0, 5, 6, 7, 8]
+
+
+def _pointer(tensor):
+    if BACKEND == "jax":
+        return tensor.unsafe_buffer_pointer()
+    return tensor.data_ptr()
 
 
 def _pointers(cache):

@@ -6,9 +6,8 @@ dtype, and `valid` `(B, L)` boolean, true where a real (unpadded) token was
 written. Keeping padding in the cache means a left-padded prompt stays
 masked for every later decoding step. Apart, each tensor is read where it
 lies: a product with the keys reads no values, and the sum of the weighted
-values reads no keys (under `jax.jit`, one pass over 65,536 slots took
-37 ms with the three interleaved in one `(B, L, K, H + V + 1)` tensor, two
-reads of all of it, and 18 ms apart).
+values reads no keys, where one `(B, L, K, H + V + 1)` tensor would be
+read whole by both.
 
 Positions: a full cache stores position `p` in slot `p`. A rolling cache
 (causal sliding window `w`) has `L = w` slots and stores position `p` in
@@ -24,10 +23,11 @@ tensors are registered here, by identity (weak references: nothing is
 kept alive), and an eager write touches the new slots only, in the
 buffers themselves (`cache_kernels.write_slots`: torch, eager JAX, eager
 TensorFlow); the tensors it returns are registered in turn, so the opt-in
-follows the cache from call to call. Traced writes (`jax.jit`,
-`tf.function`) are functional in both modes; XLA reuses a donated
-buffer. `decode.py` reads the cache a block of slots at a time, each block
-one contiguous run.
+follows the cache from call to call. A functional eager write on the CPU
+(torch, JAX) copies into recycled memory (`cache_kernels.copy_slots`).
+Traced writes (`jax.jit`, `tf.function`) are functional in both modes; XLA
+reuses a donated buffer. `decode.py` reads the cache a block of slots at a
+time, each block one contiguous run.
 """
 
 import numbers
@@ -219,6 +219,10 @@ def _write_run(cache, new, start, axis=1, fits=None, shared=None):
         import keras_mha.attention.cache_kernels as cache_kernels
 
         return cache_kernels.write_slots(cache, new, start, axis)
+    if fits is None and _copies_slots(cache, new):
+        import keras_mha.attention.cache_kernels as cache_kernels
+
+        return cache_kernels.copy_slots(cache, new, start, axis)
     rank = len(cache.shape)
     indices = None if shared is None else shared.get(rank)
     if indices is None:
@@ -279,6 +283,17 @@ def _writes_in_place(cache):
     tensor of an in-place cache (`mark_in_place`) that the kernel serves
     now (`_writes_in_place_kernel`)."""
     return is_in_place(cache) and _writes_in_place_kernel(cache)
+
+
+def _copies_slots(cache, new):
+    """Whether a functional write of `new` into `cache` is
+    `cache_kernels.copy_slots` (eager torch or JAX on the CPU: a new tensor
+    in recycled memory) rather than `ops.slice_update`."""
+    if keras.backend.backend() not in ("torch", "jax"):
+        return False
+    import keras_mha.attention.cache_kernels as cache_kernels
+
+    return cache_kernels.can_copy_slots(cache, new)
 
 
 def _writes_in_place_kernel(cache):
