@@ -92,9 +92,9 @@ class ContextParallel(keras.distribution.ModelParallel):
       out in zig-zag order inside the layer, so every device does the same
       work (the caller still sees tokens in their natural order);
     - a decoding cache from `init_cache` under the distribution has its
-      slots sharded over the context axis (a full cache that `P`
-      divides), and each step merges the devices' partial results by
-      their log-sum-exps;
+      slots sharded over the context axis (a full or rolling cache, or a
+      latent cache, whose slots `P` divides), and each step merges the
+      devices' partial results by their log-sum-exps;
     - calls none of these serve (returned weights, dropout, a dense mask
       or bias) run on the whole sequence, which XLA gathers.
 
@@ -201,18 +201,17 @@ def context_plan():
     )
 
 
-def shard_cache(cache, rolling):
+def shard_cache(cache):
     """A new decoding cache laid out for the active distribution.
 
-    Under a `ContextParallel`, a full cache whose slots the context axis
-    divides is sharded like the tokens: `(B, L, ...)` over the batch and
-    context axes, so each device holds `L / P` slots. Otherwise (no such
-    distribution, a rolling cache of `w` slots) `cache` itself.
+    Under a `ContextParallel`, a cache (full or rolling, of keys and values
+    or of latents) whose slots the context axis divides is sharded like
+    the tokens: `(B, L, ...)` over the batch and context axes, so each
+    device holds `L / P` slots. Otherwise `cache` itself.
     """
     distribution = keras.distribution.distribution()
     if (
         not isinstance(distribution, ContextParallel)
-        or rolling
         or keras.backend.backend() != "jax"
         or cache[0].shape[1] % distribution.context_size
     ):

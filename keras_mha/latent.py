@@ -13,6 +13,7 @@ from keras import ops
 from keras_mha import checks
 from keras_mha.checks import latent as latent_checks
 from keras_mha import describe as describe_lib
+from keras_mha import distribution as distribution_lib
 from keras_mha import projections
 from keras_mha.attention import latent as latent_lib
 from keras_mha.attention import masks as masks_lib
@@ -432,9 +433,9 @@ class MultiHeadLatentAttention(keras.layers.Layer):
         checks.positive_int("max_length", max_length)
         checks.boolean("in_place", in_place)
         slots = self._rolling_slots if self.rolling_cache else max_length
-        return latent_lib.zeros(batch_size, slots, self._kv_lora_rank,
-                                self._qk_rope_head_dim, self.compute_dtype,
-                                in_place)
+        return distribution_lib.shard_cache(latent_lib.zeros(
+            batch_size, slots, self._kv_lora_rank, self._qk_rope_head_dim,
+            self.compute_dtype, in_place))
 
     # ----------------------------------------------------------------- shapes
 

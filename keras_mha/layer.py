@@ -555,7 +555,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         return distribution_lib.shard_cache(cache_lib.zeros(
             batch_size, slots, self._num_key_value_heads, self._key_dim,
             self._value_dim, self.compute_dtype, in_place=in_place,
-        ), self.rolling_cache)
+        ))
 
     # ----------------------------------------------------------------- shapes
 

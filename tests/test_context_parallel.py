@@ -15,6 +15,7 @@ are sharded, and a latent layer with its latent cache (read whole by each
 device). One process and one model keep the compiles few.
 """
 
+import contextlib
 import json
 import re
 import pathlib
@@ -30,6 +31,7 @@ from conftest import skip_unless_jax_children_here
 import keras_mha
 from keras_mha.attention import dispatch
 from keras_mha.attention import ring
+from keras_mha.attention import sharded
 from keras_mha.attention.sharded import ContextPlan
 from keras_mha.attention.spec import AttentionSpec
 
@@ -198,23 +200,29 @@ def _errors(mesh_name):
     return found
 
 
-def _decode(distribution, latent=False):
-    """A causal prompt with a cache, then 3 one-token steps under `jit`:
-    the outputs, and the cache's layout after the steps. `latent`: a
-    `MultiHeadLatentAttention`, whose cache is not sharded."""
-    import contextlib
+# Decoding layers: a full cache, a rolling cache of `DECODE_WINDOW` slots
+# (the prompt is longer: the steps go round the ring), and a latent cache.
+DECODE_KINDS = ("full", "rolling", "latent")
+DECODE_WINDOW = 16
 
+
+def _decode(distribution, kind):
+    """A causal prompt with a cache, then 3 one-token steps under `jit`:
+    the outputs, the cache's layout after the steps, and how many times
+    the steps were traced through `sharded.cached_decode`."""
     import jax
 
-    if latent:
+    if kind == "latent":
         layer = keras_mha.MultiHeadLatentAttention(
             4, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
             v_head_dim=8, rotary_embedding=keras_mha.RotaryEmbedding(),
             name="latent_decode",
         )
     else:
+        window = DECODE_WINDOW if kind == "rolling" else None
         layer = keras_mha.MultiHeadAttention(
             4, 8, num_key_value_heads=2, use_sinks=True,
+            sliding_window=window,
             rotary_embedding=keras_mha.RotaryEmbedding(), name="decode",
         )
     prompt = LENGTH // 4
@@ -232,11 +240,29 @@ def _decode(distribution, latent=False):
         outputs = [np.asarray(out)]
         step = jax.jit(lambda q, c, i: layer(q, q, use_causal_mask=True,
                                              cache=c, cache_update_index=i))
-        for t in range(prompt, prompt + 3):
-            out, cache = step(x[:, t:t + 1], cache, np.int32(t))
-            outputs.append(np.asarray(out))
+        with _counting(sharded, "cached_decode") as sharded_steps:
+            for t in range(prompt, prompt + 3):
+                out, cache = step(x[:, t:t + 1], cache, np.int32(t))
+                outputs.append(np.asarray(out))
     layout = getattr(cache[0].sharding, "spec", None)
-    return np.concatenate(outputs, axis=1), str(layout)
+    return np.concatenate(outputs, axis=1), str(layout), sharded_steps[0]
+
+
+@contextlib.contextmanager
+def _counting(module, name):
+    """Counts the calls of `module.name` in the block (traces, under
+    `jit`): `[count]`."""
+    original, count = getattr(module, name), [0]
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        yield count
+    finally:
+        setattr(module, name, original)
 
 
 HLO_WINDOW = 32  # w; shards of T / P = 64 tokens on 8 devices
@@ -274,7 +300,6 @@ def _hlo():
 
 def _docs_example():
     """The docs' example (docs/scaling.md) on these 8 devices."""
-    import contextlib
     import io
 
     page = pathlib.Path(__file__).resolve().parents[1] / "docs/scaling.md"
@@ -293,8 +318,7 @@ def main():
 
     assert len(jax.devices()) == DEVICES, jax.devices()
     single = _results(None)
-    single_decode, _ = _decode(None)
-    single_latent_decode, _ = _decode(None, latent=True)
+    single_decode = {kind: _decode(None, kind)[0] for kind in DECODE_KINDS}
     report = {}
     for mesh_name in MESHES:
         outputs, gradients, fit = _results(_distribution(mesh_name),
@@ -318,12 +342,12 @@ def main():
                 _diff(a, b) for a, b in zip(fit["weights"], single[2]["weights"])
             )
         if mesh_name in DECODE_MESHES:
-            decoded, cache_layout = _decode(_distribution(mesh_name))
-            report[mesh_name]["decode"] = _diff(decoded, single_decode)
-            report[mesh_name]["cache_layout"] = cache_layout
-            decoded, _ = _decode(_distribution(mesh_name), latent=True)
-            report[mesh_name]["latent_decode"] = _diff(
-                decoded, single_latent_decode)
+            report[mesh_name]["decode"] = {}
+            for kind in DECODE_KINDS:
+                decoded, layout, traced = _decode(_distribution(mesh_name),
+                                                  kind)
+                report[mesh_name]["decode"][kind] = (
+                    _diff(decoded, single_decode[kind]), layout, traced)
     report["errors"] = _errors("2x4")
     report["hlo"] = _hlo()
     report["docs"] = _docs_example()
@@ -358,18 +382,18 @@ class TestSameAsOneDevice:
         assert gradients[worst] < TOLERANCE, (worst, gradients[worst])
 
 
+@pytest.mark.parametrize("kind", DECODE_KINDS)
 @pytest.mark.parametrize("mesh", DECODE_MESHES)
-def test_decode_with_a_sharded_cache(report, mesh):
-    assert report[mesh]["decode"] < TOLERANCE
-    # The cache's slots stayed sharded over the context axis.
-    assert "'context'" in report[mesh]["cache_layout"]
-
-
-@pytest.mark.parametrize("mesh", DECODE_MESHES)
-def test_latent_decode(report, mesh):
-    """A prompt attended context-parallel, then steps over the latent
-    cache, which each device reads whole."""
-    assert report[mesh]["latent_decode"] < TOLERANCE
+def test_decode_with_a_sharded_cache(report, mesh, kind):
+    """A prompt attended context-parallel, then steps over a cache whose
+    slots each device holds a part of: a full cache, a rolling one (the
+    steps wrap round its slots) and a latent one (absorbed steps)."""
+    error, layout, traced = report[mesh]["decode"][kind]
+    assert error < TOLERANCE
+    # The steps read the cache shard by shard, and its slots stayed sharded
+    # over the context axis.
+    assert traced > 0
+    assert "'context'" in layout
 
 
 @pytest.mark.training

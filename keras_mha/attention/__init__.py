@@ -88,7 +88,7 @@ def attend_cached(query, key, value, spec, cache, index, rolling):
     """Attention of a decoding call, and the cache after its write.
 
     Three routes, all with the same numbers (`dispatch.cache_route`);
-    under `keras_mha.ContextParallel` a full cache whose slots are sharded
+    under `keras_mha.ContextParallel` a cache whose slots are sharded
     takes `in_place` as `sharded.cached_decode` (each device reads its own
     slots):
 
@@ -120,7 +120,7 @@ def attend_cached(query, key, value, spec, cache, index, rolling):
         spec.sharding, cache, rolling
     ):
         output, new_cache = sharded.cached_decode(
-            query, key, value, spec, cache, index
+            query, (key, value), spec, cache, index, rolling
         )
         return output, None, new_cache
     if route != dispatch.PROMPT:  # the rest reads the whole cache

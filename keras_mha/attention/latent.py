@@ -42,6 +42,7 @@ import keras_mha.attention as attention_lib
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import decode
 from keras_mha.attention import dispatch
+from keras_mha.attention import sharded
 
 EXPANDED = "expanded"
 ABSORBED = "absorbed"
@@ -206,12 +207,20 @@ def latent_attention(q_nope, q_rope, latents, rope_keys, spec, up_project,
             new_cache = cache_lib.write(cache, latents, rope_keys,
                                         spec.key_mask, 0, rolling)
     elif route == dispatch.IN_PLACE and how == ABSORBED:
-        new_cache = cache_lib.write(cache, latents, rope_keys, spec.key_mask,
-                                    index, rolling)
-        step = spec.replace(query_offset=index, key_mask=None)
-        context = decode.decode_attention(query, new_cache, step, rolling,
-                                          layout=decode.LATENT)
         weights = None
+        if sharded.shards_cache(spec.sharding, cache, rolling):
+            # Each device reads its own slots (`sharded.cached_decode`).
+            context, new_cache = sharded.cached_decode(
+                query, (latents, rope_keys), spec, cache, index, rolling,
+                heads=lambda held, held_rope: latent_head(held, held_rope,
+                                                          dtype),
+            )
+        else:
+            new_cache = cache_lib.write(cache, latents, rope_keys,
+                                        spec.key_mask, index, rolling)
+            step = spec.replace(query_offset=index, key_mask=None)
+            context = decode.decode_attention(query, new_cache, step,
+                                              rolling, layout=decode.LATENT)
     else:
         # The cache's old slots, then the new tokens (a rolling cache can
         # take more tokens than its slots in one call).

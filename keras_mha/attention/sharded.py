@@ -263,33 +263,59 @@ def ring_route(query, key, value, spec, zigzag):
     )
 
 
-def shards_cache(plan, cache, rolling):
+def shards_cache(plan, cache, rolling=False):
     """Whether a decoding step reads `cache` with its slots sharded over
-    the context axis: a full (not rolling) cache whose slots `P`
+    the context axis: a cache (full or rolling) whose slots `P`
     divides."""
     num_slots = cache[0].shape[1]
     return (
-        plan is not None and not rolling and num_slots is not None
+        plan is not None and num_slots is not None
         and num_slots % plan.size == 0
     )
 
 
-def cached_decode(query, key, value, spec, cache, index):
+def _slot_tokens(slots, start, length, num_slots, rolling):
+    """For the global slots `slots` `(L / P,)` of a write of `length`
+    tokens from position `start`: `(token, lands, positions)`, the new
+    token each slot takes (clipped), whether it takes one, and the
+    position each slot holds after the write (negative: none yet)."""
+    if rolling:
+        # The newest position p < start + T with p = slot (mod L).
+        last = start + length - 1
+        positions = last - ops.mod(last - slots, num_slots)
+        token = positions - start
+        lands = token >= 0
+    else:
+        positions = slots
+        token = slots - start
+        lands = ops.logical_and(token >= 0, token < length)
+    return ops.clip(token, 0, length - 1), lands, positions
+
+
+def cached_decode(query, new, spec, cache, index, rolling=False,
+                  heads=None):
     """A decoding step over a cache whose slots are sharded.
 
     Each device writes the new tokens into the slots it holds, attends to
     them, and the devices' parts `(out, lse)` merge by their log-sum-exps
     across the context axis (flash-decoding over devices): only `(B, T, N,
-    V + 1)` numbers per device cross the axis, whatever `L` is.
+    V + 1)` numbers per device cross the axis, whatever `L` is. A rolling
+    cache (slot = position mod L) is sharded the same way: its slots hold
+    the last `L` positions, wherever each lies.
 
     Args:
         query: `(B, T, N, H)`, replicated over the context axis.
-        key: the new tokens' keys `(B, T, K, H)`.
-        value: `(B, T, K, V)`.
+        new: the new tokens' tensors, one for each of the cache's but
+            `valid`: `(key (B, T, K, H), value (B, T, K, V))`, or a latent
+            cache's `(latents, rope_keys)`.
         spec: the call's spec: causal, `key_mask` marks the new real
             tokens, and its `sharding` plan.
-        cache: `(keys, values, valid)`, `(B, L, ...)` sharded along axis 1.
+        cache: `(..., valid)`, `(B, L, ...)` sharded along axis 1.
         index: the position of the first new token (int or scalar tensor).
+        rolling: whether slot = position mod L.
+        heads: a function of a device's cache tensors but `valid` (after
+            the write) returning its `(keys, values)` `(B, L / P, K, H)`,
+            `(B, L / P, K, V)`; `None`: they are the keys and values.
 
     Returns:
         `(output, new_cache)`: `(B, T, N, V)`, and the cache, sharded as
@@ -302,32 +328,40 @@ def cached_decode(query, key, value, spec, cache, index):
     length = query.shape[1]
     batch_only = PartitionSpec(plan.batch_axis)
     slots_spec = _token_spec(plan)
+    new = tuple(new)
+    parts = len(new)
     valid = spec.key_mask
     if valid is None:
-        valid = ops.ones(ops.shape(key)[:2], "bool")
+        valid = ops.ones(ops.shape(new[0])[:2], "bool")
     sinks = None if spec.sinks is None else ops.convert_to_tensor(spec.sinks)
     query_mask = spec.query_mask
     local_spec = spec.replace(sharding=None, key_mask=None, query_mask=None,
                               segment_ids=None, key_segment_ids=None,
                               sinks=None)
 
-    def local(q, k, v, new_valid, keys, values, written, start, *extra):
-        extra = list(extra)
+    def local(q, *arguments):
+        arguments = list(arguments)
+        runs = arguments[: parts + 1]  # the new tokens' tensors and valid
+        held = arguments[parts + 1 : 2 * parts + 2]  # the device's slots
+        start = ops.cast(arguments[2 * parts + 2], "int32")
+        extra = arguments[2 * parts + 3 :]
         heads_sinks = extra.pop(0) if sinks is not None else None
         rows = extra.pop(0) if query_mask is not None else None
         device = jax.lax.axis_index(plan.context_axis)
-        num_slots = keys.shape[1]
-        start = ops.cast(start, "int32")
-        positions = device * num_slots + ops.arange(num_slots, dtype="int32")
-        token = positions - start  # the new token each slot takes, if any
-        lands = ops.logical_and(token >= 0, token < length)  # (L/P,)
-        token = ops.clip(token, 0, length - 1)
-        new_parts = []
-        for part, run in ((keys, k), (values, v), (written, new_valid)):
+        num_slots = held[0].shape[1]
+        slots = device * num_slots + ops.arange(num_slots, dtype="int32")
+        token, lands, positions = _slot_tokens(
+            slots, start, length, num_slots * plan.size, rolling)
+        new_cache = []
+        for part, run in zip(held, runs):
             gathered = ops.cast(ops.take(run, token, axis=1), part.dtype)
             where = ops.reshape(lands, (1, num_slots) + (1,) * (part.ndim - 2))
-            new_parts.append(ops.where(where, gathered, part))
-        keys, values, written = new_parts
+            new_cache.append(ops.where(where, gathered, part))
+        written = new_cache[-1]
+        if heads is None:
+            keys, values = new_cache[:2]
+        else:
+            keys, values = heads(*new_cache[:-1])
         query_positions = start + ops.arange(length, dtype="int32")
         mask = partials.block_mask(
             local_spec, query_positions, positions, (rows, None),
@@ -343,7 +377,7 @@ def cached_decode(query, key, value, spec, cache, index):
         out = out / total[..., None]
         lse = top + ops.log(total)
         out = partials.finish((out, lse), heads_sinks, q.dtype)
-        return out, keys, values, written
+        return (out, *new_cache)
 
     extra, extra_specs = [], []
     if sinks is not None:
@@ -352,12 +386,12 @@ def cached_decode(query, key, value, spec, cache, index):
     if query_mask is not None:
         extra.append(query_mask)
         extra_specs.append(batch_only)
-    arguments = (query, key, value, valid, *cache,
+    arguments = (query, *new, valid, *cache,
                  ops.convert_to_tensor(index, "int32"), *extra)
-    in_specs = (batch_only, batch_only, batch_only, batch_only, slots_spec,
-                slots_spec, slots_spec, PartitionSpec(), *extra_specs)
+    in_specs = ((batch_only,) * (parts + 2) + (slots_spec,) * (parts + 1)
+                + (PartitionSpec(), *extra_specs))
     output, *new_cache = _shard_map(
         plan, local, arguments, in_specs,
-        (batch_only, slots_spec, slots_spec, slots_spec),
+        (batch_only,) + (slots_spec,) * (parts + 1),
     )
     return output, tuple(new_cache)
