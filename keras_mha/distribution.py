@@ -95,8 +95,11 @@ class ContextParallel(keras.distribution.ModelParallel):
       slots sharded over the context axis (a full or rolling cache, or a
       latent cache, whose slots `P` divides), and each step merges the
       devices' partial results by their log-sum-exps;
+    - chunked attention whose chunks `T / P` holds whole attends on each
+      device alone: no chunk crosses a shard;
     - calls none of these serve (returned weights, dropout, a dense mask
-      or bias) run on the whole sequence, which XLA gathers.
+      or bias, chunks that shard boundaries cut) run on the whole
+      sequence, which XLA gathers.
 
     Positions stay global: masks, windows, rotary angles and ALiBi use each
     token's absolute position, whichever device holds it. Outputs and

@@ -38,6 +38,7 @@ from keras_mha.attention.spec import AttentionSpec
 DEVICES = 8
 BATCH, LENGTH, ENCODED, FEATURES, VOCAB = 4, 256, 128, 16, 11
 WINDOW = 64
+CHUNK = 32  # divides T / P on every mesh: chunks stay on their shard
 # mesh name -> (shape, axis names); "2x2x2" shards heads with `layout_map`.
 MESHES = {
     "1x8": ((1, 8), ("batch", "context")),
@@ -45,7 +46,7 @@ MESHES = {
     "2x2x2": ((2, 2, 2), ("batch", "context", "model")),
 }
 # The model's attention outputs, each a case of the report.
-CASES = ("window", "causal", "cross", "latent", "cached")
+CASES = ("window", "causal", "cross", "latent", "cached", "chunked")
 TOLERANCE = 1e-5
 # Each compile costs seconds on CI's 2 cores: `fit` (the same gradients
 # as `test_gradients`, through Keras's train step) and decoding run on the
@@ -80,11 +81,16 @@ def _build_model():
     )(h, h, use_causal_mask=True)
     h = h + latent
     cached = keras_mha.CachedMultiHeadAttention(4, 8, name="cached")(h, h)
-    out = keras.layers.Dense(FEATURES, name="out")(h + cached)
+    h = h + cached
+    chunked = keras_mha.MultiHeadAttention(
+        4, 8, attention_chunk_size=CHUNK,
+        rotary_embedding=keras_mha.RotaryEmbedding(), name="chunked",
+    )(h, h, use_causal_mask=True)
+    out = keras.layers.Dense(FEATURES, name="out")(h + chunked)
     model = keras.Model(
         [tokens, segments, encoded],
         {"window": window, "causal": causal, "cross": cross,
-         "latent": latent, "cached": cached, "out": out},
+         "latent": latent, "cached": cached, "chunked": chunked, "out": out},
     )
     rng = np.random.default_rng(0)
     model.set_weights([
@@ -281,12 +287,14 @@ def collectives(hlo_text):
     ]
 
 
-def _hlo():
-    """The collectives of a windowed layer's compiled forward on 1x8."""
+def _hlo(**options):
+    """The collectives of a causal layer's compiled forward on 1x8, with
+    `options` (a window by default)."""
     import jax
 
     distribution = _distribution("1x8")
-    layer = keras_mha.MultiHeadAttention(4, 8, sliding_window=HLO_WINDOW)
+    layer = keras_mha.MultiHeadAttention(
+        4, 8, **(options or {"sliding_window": HLO_WINDOW}))
     x = np.zeros((2, 64 * DEVICES, FEATURES), "float32")
     layer.build(x.shape, x.shape)
     placed = jax.device_put(
@@ -350,6 +358,9 @@ def main():
                     _diff(decoded, single_decode[kind]), layout, traced)
     report["errors"] = _errors("2x4")
     report["hlo"] = _hlo()
+    # Chunks of 32 and of 128 over shards of 64 tokens.
+    report["hlo_chunks"] = {chunk: _hlo(attention_chunk_size=chunk)
+                            for chunk in (32, 128)}
     report["docs"] = _docs_example()
     print("REPORT " + json.dumps(report))
 
@@ -461,6 +472,14 @@ def test_windowed_forward_sends_only_the_halo(report):
     assert rows == {HLO_WINDOW - 1}, found  # O(w), not T / P = 64
 
 
+def test_chunks_within_shards_need_no_exchange(report):
+    """Chunks that `T / P` holds whole: each device attends to its own
+    tokens, and the compiled forward has no collective. Chunks that cross
+    shards run on the whole sequence, which XLA gathers."""
+    assert report["hlo_chunks"]["32"] == []
+    assert "all-gather" in {op for op, _, _ in report["hlo_chunks"]["128"]}
+
+
 def test_docs_example_on_8_devices(report):
     assert report["docs"] == f"(2, {64 * DEVICES}, 1000)"
 
@@ -521,10 +540,13 @@ class TestLayout:
             (dict(), dispatch.RING),
             (dict(window=(63, 0), return_weights=True), None),
             (dict(window=(63, 0), dropout=0.1), None),
-            (dict(causal=True, chunk=16), None),
+            # Shards of 16 tokens: chunks of 16 stay on theirs, chunks
+            # of 32 are cut (the whole sequence).
+            (dict(causal=True, chunk=16), dispatch.HALO),
+            (dict(causal=True, chunk=32), None),
         ],
         ids=["causal_window", "two_sided", "full_causal", "full", "weights",
-             "dropout", "chunk"],
+             "dropout", "chunk_within_shards", "chunk_across_shards"],
     )
     def test_routes(self, changes, route):
         plan = ContextPlan(mesh=None, batch_axis="batch",
@@ -532,11 +554,12 @@ class TestLayout:
         spec = AttentionSpec(scale=1.0, sharding=plan, **changes)
         shapes = dispatch.Shapes(64, 64, 8, 8)
         assert dispatch.context_route(spec, shapes) == route
-        # Cross-attention with a window: the ring, the masks at positions.
+        # Cross-attention with a window: the ring, the masks at positions;
+        # with chunks, the whole sequence.
         if route is not None:
             assert dispatch.context_route(
                 spec, dispatch.Shapes(64, 32, 8, 8)
-            ) == dispatch.RING
+            ) == (None if spec.chunk else dispatch.RING)
         assert dispatch.context_route(spec.replace(sharding=None), shapes) \
             is None
 

@@ -315,9 +315,15 @@ def context_route(spec, shapes):
         and spec.bias is None
         and not spec.return_weights
         and not spec.dropout
-        and spec.chunk is None  # the routes do not read chunks: whole
     ):
         return None
-    if spec.window is not None and shapes.query_length == shapes.key_length:
+    self_attention = shapes.query_length == shapes.key_length
+    if spec.chunk is not None:
+        # Chunks that no shard boundary cuts (`C` divides `T / P`): each
+        # shard attends to its own tokens, a halo of none. Others: whole.
+        shard, rest = divmod(shapes.query_length or 0, spec.sharding.size)
+        aligned = self_attention and not rest and shard % spec.chunk == 0
+        return HALO if aligned else None
+    if spec.window is not None and self_attention:
         return HALO
     return RING

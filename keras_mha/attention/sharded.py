@@ -14,7 +14,9 @@ sharded by a `layout_map`) stays with XLA's automatic partitioning.
   than a shard), and the shard attends to `left + T / P + right` keys
   locally on the usual paths. Traffic is O(w) rows per device, whatever
   `T` is; the backward pass sends the halo's gradients back the same way
-  (the transpose of `ppermute` is the reverse `ppermute`).
+  (the transpose of `ppermute` is the reverse `ppermute`). Chunks of `C`
+  that `T / P` holds whole take a halo of none: each shard attends to its
+  own tokens, whose chunks start where the global ones do.
 
 - `ring`: any other call without a dense mask or bias passes key/value
   blocks around the devices with an online softmax (`ring.py`); causal
@@ -167,7 +169,11 @@ def _neighbours(x, size, side, plan):
 
 def halo_sizes(spec, shard_length, plan):
     """`(before, after)`: the rows a shard receives on each side, the
-    window's sides capped at what the other shards hold."""
+    window's sides capped at what the other shards hold; none with chunks
+    (`dispatch.context_route` takes them here when no shard boundary cuts
+    one)."""
+    if spec.chunk is not None:
+        return 0, 0
     left, right = spec.window
     most = (plan.size - 1) * shard_length
     return min(left, most), min(right, most)
