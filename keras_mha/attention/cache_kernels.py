@@ -130,11 +130,13 @@ class _Recycler:
     def take(self, key):
         """A free handle of `key`'s size, or `None`."""
         free = self._free.get(key, [])
-        while free:
-            handle = free.pop()
+        while True:
+            try:  # a collection in another thread may empty the list
+                handle = free.pop()
+            except IndexError:
+                return None
             if _unshared(handle):
                 return handle
-        return None
 
     def watch(self, tensor, key, handle):
         """Counts `tensor` as live; its `handle` joins the free list of
