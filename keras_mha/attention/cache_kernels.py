@@ -67,7 +67,8 @@ def copy_slots(cache, new, start, axis=1):
         result.narrow(axis, int(start), new.shape[axis]).copy_(new)
         _RECYCLER.watch(result, _torch_key(cache), result.untyped_storage())
         return result
-    key = (tuple(cache.shape), cache.dtype)
+    # One device's buffers only: a jitted fill takes its arrays on one.
+    key = (tuple(cache.shape), cache.dtype, next(iter(cache.devices())))
     new = new.astype(cache.dtype)
     free = _RECYCLER.take(key)
     if free is None:
