@@ -117,7 +117,7 @@ def attend_cached(query, key, value, spec, cache, index, rolling):
     """
     route = dispatch.cache_route(spec, query.shape[1], index, rolling)
     if route == dispatch.IN_PLACE and sharded.shards_cache(
-        spec.sharding, cache, rolling
+        spec.sharding, cache
     ):
         output, new_cache = sharded.cached_decode(
             query, (key, value), spec, cache, index, rolling

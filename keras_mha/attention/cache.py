@@ -36,6 +36,7 @@ import weakref
 import keras
 from keras import ops
 
+import keras_mha.attention.cache_kernels as cache_kernels
 import keras_mha.attention.tuning as tuning
 
 
@@ -88,7 +89,7 @@ def mark_in_place(cache):
     tensors no in-place kernel serves (NumPy, torch with gradients), are
     left as they are: their writes stay functional."""
     for tensor in cache if isinstance(cache, (tuple, list)) else (cache,):
-        if not _writes_in_place_kernel(tensor):
+        if not cache_kernels.can_write_slots(tensor):
             continue
         key = id(tensor)
         _IN_PLACE[key] = weakref.ref(tensor, lambda _, key=key: _forget(key))
@@ -216,12 +217,8 @@ def _write_run(cache, new, start, axis=1, fits=None, shared=None):
     (a graph op per write instead of one per slice and per write).
     """
     if _writes_in_place(cache):
-        import keras_mha.attention.cache_kernels as cache_kernels
-
         return cache_kernels.write_slots(cache, new, start, axis)
-    if fits is None and _copies_slots(cache, new):
-        import keras_mha.attention.cache_kernels as cache_kernels
-
+    if fits is None and cache_kernels.can_copy_slots(cache, new):
         return cache_kernels.copy_slots(cache, new, start, axis)
     rank = len(cache.shape)
     indices = None if shared is None else shared.get(rank)
@@ -281,30 +278,8 @@ def _guard(start, length, num_slots):
 def _writes_in_place(cache):
     """Whether `cache_kernels.write_slots` writes into `cache` itself: a
     tensor of an in-place cache (`mark_in_place`) that the kernel serves
-    now (`_writes_in_place_kernel`)."""
-    return is_in_place(cache) and _writes_in_place_kernel(cache)
-
-
-def _copies_slots(cache, new):
-    """Whether a functional write of `new` into `cache` is
-    `cache_kernels.copy_slots` (eager torch or JAX on the CPU: a new tensor
-    in recycled memory) rather than `ops.slice_update`."""
-    if keras.backend.backend() not in ("torch", "jax"):
-        return False
-    import keras_mha.attention.cache_kernels as cache_kernels
-
-    return cache_kernels.can_copy_slots(cache, new)
-
-
-def _writes_in_place_kernel(cache):
-    """Whether `cache_kernels.write_slots` can write into `cache` itself
-    (torch without gradients, a concrete JAX array, an eager TensorFlow
-    tensor outside a gradient tape)."""
-    if keras.backend.backend() not in ("torch", "jax", "tensorflow"):
-        return False
-    import keras_mha.attention.cache_kernels as cache_kernels
-
-    return cache_kernels.can_write_slots(cache)
+    now (`cache_kernels.can_write_slots`)."""
+    return is_in_place(cache) and cache_kernels.can_write_slots(cache)
 
 
 def write_pair(cache, key, value, index, halves=True):

@@ -54,7 +54,8 @@ def copy_slots(cache, new, start, axis=1):
     if keras.backend.backend() == "torch":
         import torch
 
-        storage = _RECYCLER.take(_torch_key(cache))
+        key = _torch_key(cache)
+        storage = _RECYCLER.take(key)
         if storage is None:
             result = torch.empty_like(
                 cache, memory_format=torch.contiguous_format)
@@ -65,7 +66,7 @@ def copy_slots(cache, new, start, axis=1):
         # gradients, as it records `slice_update`'s.
         result.copy_(cache)
         result.narrow(axis, int(start), new.shape[axis]).copy_(new)
-        _RECYCLER.watch(result, _torch_key(cache), result.untyped_storage())
+        _RECYCLER.watch(result, key, result.untyped_storage())
         return result
     # One device's buffers only: a jitted fill takes its arrays on one.
     key = (tuple(cache.shape), cache.dtype, next(iter(cache.devices())))

@@ -208,7 +208,7 @@ def latent_attention(q_nope, q_rope, latents, rope_keys, spec, up_project,
                                         spec.key_mask, 0, rolling)
     elif route == dispatch.IN_PLACE and how == ABSORBED:
         weights = None
-        if sharded.shards_cache(spec.sharding, cache, rolling):
+        if sharded.shards_cache(spec.sharding, cache):
             # Each device reads its own slots (`sharded.cached_decode`).
             context, new_cache = sharded.cached_decode(
                 query, (latents, rope_keys), spec, cache, index, rolling,

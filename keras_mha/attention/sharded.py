@@ -37,6 +37,7 @@ from typing import Any
 from keras import ops
 
 import keras_mha.attention.partials as partials
+from keras_mha.attention import cache as cache_lib
 import keras_mha.attention.ring as ring
 
 # Spec fields that hold one value per token: (field, side) with side
@@ -269,7 +270,7 @@ def ring_route(query, key, value, spec, zigzag):
     )
 
 
-def shards_cache(plan, cache, rolling=False):
+def shards_cache(plan, cache):
     """Whether a decoding step reads `cache` with its slots sharded over
     the context axis: a cache (full or rolling) whose slots `P`
     divides."""
@@ -286,9 +287,8 @@ def _slot_tokens(slots, start, length, num_slots, rolling):
     token each slot takes (clipped), whether it takes one, and the
     position each slot holds after the write (negative: none yet)."""
     if rolling:
-        # The newest position p < start + T with p = slot (mod L).
-        last = start + length - 1
-        positions = last - ops.mod(last - slots, num_slots)
+        positions = cache_lib.slot_positions(start + length, num_slots,
+                                             True, slots)
         token = positions - start
         lands = token >= 0
     else:
