@@ -19,6 +19,7 @@ import keras
 import pytest
 
 import keras_mha
+from benchmarks import fit_step
 from benchmarks import plan
 from benchmarks import report
 from benchmarks import worker
@@ -455,3 +456,23 @@ def test_alternate_timing_takes_turns():
     for result in results.values():
         assert result["repeats"] == 3 and len(result["times_s"]) == 3
         assert result["compiler"] == "both"
+
+
+# ------------------------------------------------------------ fit_step
+
+
+@pytest.mark.training
+def test_fit_step_times_the_model_with_every_feature(capsys):
+    """`python -m benchmarks.fit_step` on this backend, two batches an
+    epoch; torch eagerly (Inductor's compilation of the model takes over a
+    minute on a 2-core CPU)."""
+    jit = BACKEND != "torch"
+    fit_step.main(["--batches", "2"] + ([] if jit else ["--no-jit"]))
+    header, _, row = capsys.readouterr().out.strip().splitlines()[-3:]
+    assert "step, median ms" in header
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[:3] == [BACKEND, "keras_mha", str(jit)]
+    assert all(float(cell) > 0 for cell in cells[3:]), row
+    windows = [layer.get_config()["sliding_window"] for layer in fit_step.model().layers
+               if isinstance(layer, keras_mha.MultiHeadAttention)]
+    assert windows == [4, None, 4, None]
