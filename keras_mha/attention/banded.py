@@ -291,9 +291,10 @@ def _portable_core(query, key, value, mask, spec, band, keep=None):
     The blocks go through a loop a chunk at a time, so the scores of only
     one chunk (about `banded_chunk_bytes`) exist at once in the forward pass and
     stay in the cache, and the allocator reuses their memory instead of
-    faulting in fresh pages for the whole band: 25-40% faster than one
-    pass over all blocks on the 2-core CPU (JAX and TensorFlow, forward
-    and backward). Autodiff still keeps every chunk's weights for the
+    faulting in fresh pages for the whole band. On CPU this is faster
+    than one pass over all blocks, on JAX and TensorFlow, forward and
+    backward (the tuning table's `banded_chunk_bytes` names the benchmark
+    that sizes the chunks). Autodiff still keeps every chunk's weights for the
     backward pass, O(T·w) in all.
 
     Args:

@@ -295,7 +295,7 @@ def write_pair(cache, key, value, index, halves=True):
         the whole cache) the keys and the values are written separately
         and stacked, as keras-hub does: the attention then reads them
         without slicing the stacked cache
-        (a transpose of a half is about half the cost of one from the
+        (a transpose of a separate half is cheaper than one out of the
         stacked cache). Stacking copies the cache, so a step that reads the
         slots below its position writes one run in place instead. One
         traced token is written by a select over the slots instead of a

@@ -187,7 +187,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
     )
     # One query: the products read each block in place (`_packed_query`).
     # Not on torch, whose per-head products read the strided keys without
-    # a copy (measured in eager steps at p = 64k: 56 ms packed, 41 ms not).
+    # a copy: there the packed product's zero blocks are only extra work.
     packed = t_len == 1 and keras.backend.backend() != "torch"
     chunks = _whole_chunks(num_slots, block) if (
         packed and layout == FLAGGED and not rolling and blocks is None
@@ -502,9 +502,9 @@ def _packed_query(q):
 
     A block of keys `(B, b, K, H)` is then one contiguous `(B, b, K·H)`
     matrix, and its logits one product with it, reading the block where
-    it lies. The per-head product would first transpose the keys out of
-    the slots (measured under `jax.jit`, 65,536 slots, p = 64k: the two
-    transposes took 41 of the step's 55 ms).
+    it lies. The per-head products would first transpose the keys and
+    the values out of the slots: under `jax.jit` the two transposes copy
+    every block the step reads, and take most of a late step's time.
     """
     num_kv, groups, head = q.shape[1], q.shape[2], q.shape[4]
     batch = ops.shape(q)[0]
@@ -530,10 +530,10 @@ def _packed_weighted(weights, values, heads):
 def _chunked_weighted(weights, values, heads, chunks):
     """`_packed_weighted` over every slot of the cache, as products summed
     over `chunks` runs of slots, then over the runs: XLA on CPU fuses the
-    products into the sums and reads the values once, where they lie
-    (65,536 slots under `jax.jit`: 17 ms, against 29 ms for the one
-    product of `_packed_weighted` and 830 ms for one sum over all the
-    slots)."""
+    products into the sums and reads the values once, where they lie:
+    faster than the one product of `_packed_weighted`, and far faster
+    than one sum over all the slots (the tuning table's
+    `decode_whole_runs` names the benchmark)."""
     num_kv, groups = heads
     batch, num_slots = ops.shape(values)[0], values.shape[1]
     run = num_slots // chunks

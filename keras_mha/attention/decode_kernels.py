@@ -22,17 +22,15 @@ def graph_decode(step, query, cache, spec, rolling, block_size, layout,
     (`decode_attention`) as one compiled function, traced once per
     geometry and spec: `tf.function` (a graph) or `jax.jit`.
 
-    Run op by op, each of the block loop's operations costs 50-100 us of
-    Python dispatch in an eager call (a cProfile of a TensorFlow step at
-    p = 16k counted about 65 of them per block of 1,024 slots); compiled,
+    Run op by op, every one of the block loop's operations pays Python's
+    dispatch in an eager call, and a block takes dozens of them; compiled,
     the loop is a `while` whose trip count is the index, and the cache goes
-    in without a copy. Measured on the 2-core CPU, the whole layer, one
-    token, 8 heads of 64, 65,536 slots, TensorFlow: p = 1 / 1k / 16k / 64k
-    took 21 / 27 / 139 / 528 ms op by op, 9.7 / 11.4 / 29 / 66 ms as a
-    graph (9.6 ms at p = 1k with `jit_compile=True`, for twice the tracing
-    time: not taken). JAX, `jax.jit` without donation (the step only reads
-the cache): 12 / 16 / 74 / 330 ms op by op, 3.7 / 4.3 / 17 / 53 ms
-compiled; a rolling cache of 512 slots 7.6 -> 2.3 ms.
+    in without a copy. The compiled step is much faster on CPU, the more
+    so the more slots it reads (`python -m benchmarks --decode` times it;
+    the numbers are in docs/performance.md). On TensorFlow the graph is
+    not compiled with XLA (`jit_compile=True`): it runs no faster, and it
+    traces for longer. On JAX `jax.jit` donates nothing: the step only
+    reads the cache.
 
     Args are `decode_attention`'s; the spec's tensors (offset, masks,
     sinks) are the function's inputs, its Python values part of its key.
@@ -83,10 +81,9 @@ def decode_core(q, keys, values, mask, alibi=None, sinks=None,
     fused kernel on strided views of the cache (`decode._native_step`).
 
     The portable step reads the slots a block at a time with an online
-    softmax, and its per-block products dominate. Measured on the 2-core
-    CPU, 65,536 slots, one token, 8 heads of 64, eager, the attention
-    alone: the flash kernel over the first `p` slots took 0.15 / 2.7 / 19
-    ms at p = 1k / 16k / 64k, reading the keys and values where they lie.
+    softmax, and its per-block products dominate. The flash kernel reads
+    the first `p` slots at once, the keys and values where they lie
+    (`python -m benchmarks --backends torch --decode`).
 
     Args:
         q: `(B, K, G, T, H)`, already scaled.
@@ -217,8 +214,8 @@ def latent_core(q, latents, rope_keys, mask, alibi=None, sinks=None,
     rank = latents.shape[-1]
     rows = q.reshape(batch, groups * t_len, -1)
     lat = latents.to(q.dtype)
-    # The slots as the product's rows: MKL takes `(S, R)·(R, G·T)` at about
-    # twice the speed of `(G·T, R)·(R, S)` for a few heads' rows.
+    # The slots as the product's rows: for a few heads' rows, MKL runs
+    # `(S, R)·(R, G·T)` faster than `(G·T, R)·(R, S)`.
     scores = torch.bmm(lat, rows[..., :rank].transpose(1, 2))  # (B, S, G·T)
     scores = scores.baddbmm_(rope_keys.to(q.dtype),
                              rows[..., rank:].transpose(1, 2))

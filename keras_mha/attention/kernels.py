@@ -7,14 +7,15 @@ both against the same reference).
 torch: `banded_core` hands the blocks of the band to
 `torch.nn.functional.scaled_dot_product_attention`, whose fused kernels
 (flash attention on CPU, memory-efficient attention on GPU) never write the
-`(b, span)` scores of a block to memory. On a 2-core CPU this made the
-banded forward about 2x faster and the backward about 1.5x faster than the
-`keras.ops` version at `T = 16384`, `w = 128` (see `banded.py`). The
-mask and ALiBi go in as an additive bias of one `(b, span)` block shared
-by the band's interior blocks; sinks join the softmax through the flash
-kernel's log-sum-exp; a soft-cap runs as torch products a few blocks at a
-time with a backward of its own, and without a gradient a head at a time on
-views of the projections (the features table of docs/performance.md measures each).
+`(b, span)` scores of a block to memory. On CPU this makes the banded
+forward and backward faster than the `keras.ops` version, which writes
+every block's scores (see `banded.py`; the numbers are in
+docs/performance.md). The mask and ALiBi go in as an additive bias of one
+`(b, span)` block shared by the band's interior blocks; sinks join the
+softmax through the flash kernel's log-sum-exp; a soft-cap runs as torch
+products a few blocks at a time with a backward of its own, and without a
+gradient a head at a time on views of the projections (the features table
+of docs/performance.md measures each).
 
 `project`: `EinsumDense`'s einsum and bias as one `torch.addmm`
 (`projections.Projection`); `rotate_half` and `rotate_pairs`: the rotary
@@ -146,12 +147,13 @@ def _inference_band(query, key, value, mask, scale, band, alibi, soft_cap):
     overlap in place), and the kernel lays its output out as `(blocks, b,
     N, V)`, the layer's `(T, N, V)`. Blocks whose span reaches past the
     keys (the first `L` of a causal band) read a padded copy of their
-    frame. At T = 16384, w = 128 (b = 32) this saves the other layout's
-    copies (queries, key and value frames, output): 25-30 ms on a 55 ms
-    kernel. Grouped heads use `enable_gqa`. With a soft-cap the same views
-    go through `_capped_blocks` (T = 16384, w = 128, forward: 67 ms against
-    129 for `capped_attention` on the other layout, and 46 ms without a
-    cap). `None` when no block lies inside the keys (short sequences).
+    frame. This skips the other layout's copies of the queries, the key
+    and value frames and the output, which with small blocks take a large
+    share of the call next to the kernel. Grouped heads use `enable_gqa`.
+    With a soft-cap the same views go through `_capped_blocks`, which
+    skips the same copies that `capped_attention` makes on the other
+    layout (`python -m benchmarks --features` times the soft-cap). `None`
+    when no block lies inside the keys (short sequences).
     """
     import torch
 
@@ -443,8 +445,8 @@ def _sink_rows(sinks, q, sizes):
 def equal_sizes(q, k, v):
     """Queries, keys and values zero-padded to one feature size, a multiple
     of 8: torch's CPU flash kernel takes only equal query and value sizes,
-    and otherwise falls back to its math kernel (measured at T = 16384: 4x
-    slower with 72 query features against 64 values)."""
+    and otherwise falls back to its math kernel, which writes the scores
+    to memory and is much slower on long sequences."""
     import torch
 
     size = -(-max(q.shape[-1], v.shape[-1]) // 8) * 8
@@ -463,8 +465,8 @@ def rotate_half(x, cos, sin, rotary_dim):
 
     `out = x·[cos, cos]`, then each half of the rotated features gets its
     `∓ x_other·sin` added in place (`addcmul_`): about two passes over `x`
-    where the portable version makes four products, two sums and a concat
-    (measured on `(1, 16384, 8, 64)`: 15 ms against 27 ms).
+    where the portable version makes four products, two sums and a concat,
+    each writing a fresh tensor.
 
     Args:
         x: `(B, L, ..., H)`.
@@ -495,7 +497,8 @@ def rotate_pairs(x, cos, sin, rotary_dim):
 
     `out = x·cos` with each cos repeated for its pair, then the even and the
     odd features get their `∓ x_other·sin` in place, on strided views:
-    about half the time of the portable reshape, products and stack.
+    fewer passes over `x`, and fewer fresh tensors, than the portable
+    reshape, products and stack.
 
     Args and Returns: as `rotate_half`.
     """
