@@ -20,6 +20,8 @@ donated, `tf.function(jit_compile=True)`; torch eagerly):
   `in_place=True` cache, and compiled;
 - the floor: one read of the valid latents and rope keys (their sum,
   compiled where the backend compiles), as the decode section's floors;
+  and, as there, the absorbed step over it after its fixed cost, the same
+  step at position `plan.FIXED_POSITION`, in the backend's fastest mode;
 - the training step, expanded, against `MultiHeadAttention`'s.
 
 Prints one table row per cell; the numbers of a shared machine are
@@ -79,6 +81,7 @@ def run(sizes, repeats, train=True):
 
     import keras_mha
     from benchmarks import backends
+    from benchmarks import plan
     from keras_mha.attention import cache as cache_lib
     from keras_mha.attention import latent as latent_lib
 
@@ -134,6 +137,28 @@ def run(sizes, repeats, train=True):
     # The fastest way each backend has to run a step: compiled where it
     # compiles, else eager with an in-place cache.
     fast = _modes(name)[-1]
+    # Its fixed cost, as the decode section's floors take it: the same
+    # step at position `FIXED_POSITION` (slot 0 valid), whatever a step
+    # costs before it reads the slots (the projections, the call, and a
+    # compiled step's copy of a cache it cannot donate).
+    first = np.zeros((1, slots), bool)
+    first[:, :plan.FIXED_POSITION] = True
+    cache = tuple(backend.tensor(x) for x in (*parts[:2], first))
+    if fast == IN_PLACE:
+        cache = cache_lib.mark_in_place(cache)
+    state = {"cache": cache, "index": backend.index(plan.FIXED_POSITION),
+             "mask": None}
+    with latent_lib.force_computation("absorbed"):
+        _, fn = backend.cached(layer, token, state,
+                               "eager" if fast == IN_PLACE else fast)[0]
+
+        def fixed_step(fn=fn, state=state):
+            state["index"] = backend.index(plan.FIXED_POSITION)
+            return fn()
+
+        fixed = _median_ms(backend, fixed_step, repeats)
+    rows.append((f"absorbed step, L={slots}, p={plan.FIXED_POSITION} "
+                 "(the fixed cost)", f"{fixed:.3g}", f"ms, {fast}"))
     rows.append(("expanded / absorbed step", f"{steps['expanded', fast] / steps['absorbed', fast]:.1f}x", fast))
 
     latents, rope_keys = (backend.tensor(x) for x in parts[:2])
@@ -150,6 +175,8 @@ def run(sizes, repeats, train=True):
                  "ms"))
     rows.append(("absorbed step / floor",
                  f"{steps['absorbed', fast] / floor:.1f}x", fast))
+    rows.append(("(absorbed step - fixed cost) / floor",
+                 f"{(steps['absorbed', fast] - fixed) / floor:.1f}x", fast))
 
     if train:
         length = s["train_length"]

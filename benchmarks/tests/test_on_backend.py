@@ -20,6 +20,7 @@ import pytest
 
 import keras_mha
 from benchmarks import fit_step
+from benchmarks import latent
 from benchmarks import plan
 from benchmarks import report
 from benchmarks import worker
@@ -476,3 +477,27 @@ def test_fit_step_times_the_model_with_every_feature(capsys):
     windows = [layer.get_config()["sliding_window"] for layer in fit_step.model().layers
                if isinstance(layer, keras_mha.MultiHeadAttention)]
     assert windows == [4, None, 4, None]
+
+
+# ------------------------------------------------------------ latent
+
+
+def test_latent_reports_the_cache_steps_and_floor():
+    """`python -m benchmarks.latent --small --no-train`'s cells on this
+    backend, each with a value."""
+    rows = {cell: value for cell, value, _ in
+            latent.run(latent.SMALL, repeats=1, train=False)}
+    small = latent.SMALL
+    assert rows["cache bytes, latent / MultiHeadAttention"].endswith(
+        "= 1/4.0")  # a token: (32 + 8)·4 bytes and its flag, against
+    # 4 heads·(24 + 16)·4 bytes and its flag
+    slots, position = small["slots"], small["position"]
+    for how in ("absorbed", "expanded"):
+        for mode in latent._modes(BACKEND):
+            assert float(rows[f"{how} step, L={slots}, p={position}, "
+                              f"{mode}"]) > 0
+    assert float(rows[f"absorbed step, L={slots}, p=1 (the fixed cost)"]) > 0
+    assert float(rows[f"floor: one read of the {position} valid latents"]) > 0
+    for ratio in ("expanded / absorbed step", "absorbed step / floor",
+                  "(absorbed step - fixed cost) / floor"):
+        assert rows[ratio].endswith("x")
