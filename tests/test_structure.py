@@ -61,9 +61,9 @@ def imported_names(name):
 def imported_names_of(source, package):
     """Every module name that `source`, a module of `package`, imports.
 
-    `from X import a` imports `X.a` where that is a module of the package,
-    else `X` (for a name `X` defines, or a module of another package);
-    relative imports are resolved.
+    `from X import a` imports `X` (whose `__init__` runs first), and `X.a`
+    too where that is a module of the package; relative imports are
+    resolved.
     """
     found = set()
     for node in ast.walk(ast.parse(source)):
@@ -77,7 +77,9 @@ def imported_names_of(source, package):
                 base = ".".join(parts + ([base] if base else []))
             for alias in node.names:
                 submodule = f"{base}.{alias.name}"
-                found.add(submodule if submodule in MODULES else base)
+                found.add(base)
+                if submodule in MODULES:
+                    found.add(submodule)
     return found
 
 

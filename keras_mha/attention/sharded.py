@@ -36,8 +36,8 @@ from typing import Any
 
 from keras import ops
 
+import keras_mha.attention.cache as cache_lib
 import keras_mha.attention.partials as partials
-from keras_mha.attention import cache as cache_lib
 import keras_mha.attention.ring as ring
 
 # Spec fields that hold one value per token: (field, side) with side
