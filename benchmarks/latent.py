@@ -111,57 +111,48 @@ def run(sizes, repeats, train=True):
     # Decode steps at `position`, the cache's valid slots below it.
     p, slots = s["position"], s["slots"]
     token = backend.tensor(_random(rng, (1, 1, s["features"]), 1.0))
-    valid = np.zeros((1, slots), bool)
-    valid[:, :p] = True
-    parts = (_random(rng, (1, slots, s["rank"]), 1.0),
-             _random(rng, (1, slots, s["rope"]), 1.0), valid)
+    latents, rope_keys = (_random(rng, (1, slots, size), 1.0)
+                          for size in (s["rank"], s["rope"]))
+
+    def timed_step(how, mode, position):
+        """The median ms of `how`'s step at `position` in `mode`, the
+        cache's slots below `position` valid."""
+        valid = np.zeros((1, slots), bool)
+        valid[:, :position] = True
+        cache = tuple(backend.tensor(x) for x in (latents, rope_keys, valid))
+        if mode == IN_PLACE:
+            cache = cache_lib.mark_in_place(cache)
+        state = {"cache": cache, "index": backend.index(position),
+                 "mask": None}
+        with latent_lib.force_computation(how):
+            _, fn = backend.cached(layer, token, state,
+                                   "eager" if mode == IN_PLACE else mode)[0]
+
+            def step():
+                state["index"] = backend.index(position)  # the same one
+                return fn()
+
+            return _median_ms(backend, step, repeats)
+
     steps = {}
     for how in latent_lib.COMPUTATIONS:
         for mode in _modes(name):
-            cache = tuple(backend.tensor(x) for x in parts)
-            if mode == IN_PLACE:
-                cache = cache_lib.mark_in_place(cache)
-            state = {"cache": cache, "index": backend.index(p), "mask": None}
-            with latent_lib.force_computation(how):
-                _, fn = backend.cached(
-                    layer, token, state,
-                    "eager" if mode == IN_PLACE else mode)[0]
-
-                def step(fn=fn, state=state):
-                    state["index"] = backend.index(p)  # the same position
-                    return fn()
-
-                steps[how, mode] = _median_ms(backend, step, repeats)
+            steps[how, mode] = timed_step(how, mode, p)
             rows.append((f"{how} step, L={slots}, p={p}, {mode}",
                          f"{steps[how, mode]:.3g}", "ms"))
     # The fastest way each backend has to run a step: compiled where it
     # compiles, else eager with an in-place cache.
     fast = _modes(name)[-1]
     # Its fixed cost, as the decode section's floors take it: the same
-    # step at position `FIXED_POSITION` (slot 0 valid), whatever a step
-    # costs before it reads the slots (the projections, the call, and a
-    # compiled step's copy of a cache it cannot donate).
-    first = np.zeros((1, slots), bool)
-    first[:, :plan.FIXED_POSITION] = True
-    cache = tuple(backend.tensor(x) for x in (*parts[:2], first))
-    if fast == IN_PLACE:
-        cache = cache_lib.mark_in_place(cache)
-    state = {"cache": cache, "index": backend.index(plan.FIXED_POSITION),
-             "mask": None}
-    with latent_lib.force_computation("absorbed"):
-        _, fn = backend.cached(layer, token, state,
-                               "eager" if fast == IN_PLACE else fast)[0]
-
-        def fixed_step(fn=fn, state=state):
-            state["index"] = backend.index(plan.FIXED_POSITION)
-            return fn()
-
-        fixed = _median_ms(backend, fixed_step, repeats)
+    # step at position `FIXED_POSITION`, whatever a step costs before it
+    # reads the slots (the projections, the call, and a compiled step's
+    # copy of a cache it cannot donate).
+    fixed = timed_step("absorbed", fast, plan.FIXED_POSITION)
     rows.append((f"absorbed step, L={slots}, p={plan.FIXED_POSITION} "
                  "(the fixed cost)", f"{fixed:.3g}", f"ms, {fast}"))
     rows.append(("expanded / absorbed step", f"{steps['expanded', fast] / steps['absorbed', fast]:.1f}x", fast))
 
-    latents, rope_keys = (backend.tensor(x) for x in parts[:2])
+    latents, rope_keys = backend.tensor(latents), backend.tensor(rope_keys)
 
     def total(latents, rope_keys):
         return ops.sum(latents[:, :p]) + ops.sum(rope_keys[:, :p])
