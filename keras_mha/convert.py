@@ -35,11 +35,10 @@ _BIAS_KEYS = ("in_proj_bias", "out_proj.bias")
 def from_torch(module_or_state_dict, **layer_kwargs):
     """Builds a `MultiHeadAttention` from a `torch.nn.MultiheadAttention`.
 
-    Also takes `transformers`' attention modules of Llama, Mistral,
-    Qwen2, Gemma 2, gpt-oss, Phi-3, SmolLM3, Cohere2, Qwen3, Gemma 3,
-    OLMo 2 and Llama 4 (see
-    `keras_mha.huggingface.from_transformers` for the classes and what is
-    read), and DeepSeek V3's `DeepseekV3Attention`, which it returns as a
+    Also takes `transformers`' attention modules, read by their structure
+    and config (see `keras_mha.huggingface.from_transformers` for what is
+    read, docs/importing.md for every family), with `config=` for a
+    module that keeps none; DeepSeek's latent attention comes back as a
     `keras_mha.MultiHeadLatentAttention`.
 
     Query, key and value projections (packed `in_proj_weight`, or

@@ -1,9 +1,14 @@
 """Weight import: Hugging Face `transformers` attention modules -> our layer.
 
-`keras_mha.from_torch` sends the modules named in `FAMILIES` here. Nothing
-here imports `transformers`: a module is recognised by its class's module
-path and name, and only its attributes, weights and `config` are read, so
-the library never needs `transformers` installed.
+`keras_mha.from_torch` sends any `transformers` module here. A module is
+read from what it holds (`hf_structure`: projections, biases, norms,
+gates, sinks) and from its config (heads, windows, chunks, rope
+parameters); what only a family's code shows is a row of the table in
+`hf_families`, keyed by the config's `model_type`, never by the class's
+name. A module the reader is not sure of is refused with a `ValueError`
+that names its class and the feature: a wrong import is worse than none.
+Nothing here imports `transformers`, so the library never needs it
+installed.
 
 Only the attention module is converted. Its rotary embedding lives in the
 model (`LlamaRotaryEmbedding(config)`), and so does its mask (built from
@@ -12,171 +17,85 @@ the config into the layer's `rotary_embedding` (`rope_parameters.py`) and
 `sliding_window`.
 """
 
-import dataclasses
+import inspect
 
 import numpy as np
 
+from keras_mha import hf_families
+from keras_mha import hf_structure
 from keras_mha import host
 from keras_mha import rope_parameters
 from keras_mha.layer import MultiHeadAttention
 
 
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """What differs between the attention classes converted here; a new
-    family is an entry of `FAMILIES` (and a reader for a new field).
-
-    Attributes:
-        window: where the model takes the layer's sliding window from:
-            `None` (no window: Llama), `"config"` (`config.sliding_window`
-            for every layer: Mistral, which ignores `layer_types`) or
-            `"layer_types"` (`config.sliding_window` for the layers that
-            `config.layer_types` marks `"sliding_attention"`).
-        partial_rotary: whether the model rotates only
-            `int(head_dim * partial_rotary_factor)` features of a head (see
-            `rope_parameters.rotary_embedding`).
-        rope_layers: which layers rotate: `None` (every layer),
-            `"no_rope_layers"` (those where `config.no_rope_layers[i]` is
-            true: SmolLM3, Llama 4) or `"sliding"` (those with a sliding
-            window: Cohere2).
-        interleaved: whether the model rotates the pairs
-            `(x_{2i}, x_{2i+1})` (Cohere2) rather than `(x_i, x_{i+d/2})`.
-        fused_qkv: whether the query, key and value projections are one
-            `qkv_proj`, in that order (Phi-3).
-        qk_norm: the module's query/key norms: `None`; `"head"` (RMSNorms
-            `q_norm` and `k_norm` over each head, one `(H,)` weight each:
-            Qwen3, Gemma 3); `"projection"` (over the whole projection,
-            `(N·H,)` and `(K·H,)`: OLMo 2); `"weightless"` (Llama 4's
-            `qk_norm`, present only on its rope layers).
-        norm_offset: the norms multiply by `norm_offset + weight` (Gemma
-            stores `w` for a scale of `1 + w`).
-        chunks: whether `config.layer_types` marks chunked layers
-            (`"chunked_attention"`, chunks of `config.attention_chunk_size`:
-            Llama 4).
-        temperature: whether the NoPE layers scale their queries by
-            position when `config.attn_temperature_tuning` (Llama 4).
-        latent: whether the module is multi-head latent attention
-            (DeepSeek V3), imported as `MultiHeadLatentAttention`.
-    """
-
-    window: str = None
-    partial_rotary: bool = False
-    rope_layers: str = None
-    interleaved: bool = False
-    fused_qkv: bool = False
-    qk_norm: str = None
-    norm_offset: float = 0.0
-    chunks: bool = False
-    temperature: bool = False
-    latent: bool = False
-
-
-# (module path, class) -> its family.
-FAMILIES = {
-    ("transformers.models.llama.modeling_llama", "LlamaAttention"): Family(),
-    ("transformers.models.mistral.modeling_mistral", "MistralAttention"):
-        Family(window="config"),
-    ("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention"):
-        Family(window="layer_types"),
-    ("transformers.models.gemma2.modeling_gemma2", "Gemma2Attention"):
-        Family(window="layer_types"),
-    ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssAttention"):
-        Family(window="layer_types"),
-    ("transformers.models.phi3.modeling_phi3", "Phi3Attention"):
-        Family(window="config", partial_rotary=True, fused_qkv=True),
-    ("transformers.models.smollm3.modeling_smollm3", "SmolLM3Attention"):
-        Family(window="layer_types", rope_layers="no_rope_layers"),
-    ("transformers.models.cohere2.modeling_cohere2", "Cohere2Attention"):
-        Family(window="layer_types", rope_layers="sliding", interleaved=True),
-    ("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention"):
-        Family(window="layer_types", qk_norm="head"),
-    ("transformers.models.gemma3.modeling_gemma3", "Gemma3Attention"):
-        Family(window="layer_types", qk_norm="head", norm_offset=1.0),
-    ("transformers.models.olmo2.modeling_olmo2", "Olmo2Attention"):
-        Family(qk_norm="projection"),
-    ("transformers.models.llama4.modeling_llama4", "Llama4TextAttention"):
-        Family(rope_layers="no_rope_layers", interleaved=True,
-               qk_norm="weightless", chunks=True, temperature=True),
-    ("transformers.models.deepseek_v3.modeling_deepseek_v3",
-     "DeepseekV3Attention"): Family(latent=True),
-}
-
-
-def _family(module):
-    cls = type(module)
-    return FAMILIES.get((cls.__module__, cls.__qualname__))
-
-
 def is_transformers_attention(obj):
-    """Whether `obj` is one of the `transformers` modules converted here.
+    """Whether `obj` is a torch module defined in `transformers` (or a
+    subclass of one), which `from_transformers` reads or refuses by name."""
+    return any(
+        cls.__module__.startswith("transformers.")
+        for cls in type(obj).__mro__
+    ) and hasattr(obj, "named_children")
 
-    The class itself, not a subclass: a subclass may compute something else.
-    """
-    return _family(obj) is not None
 
-
-def from_transformers(module, **layer_kwargs):
+def from_transformers(module, config=None, **layer_kwargs):
     """Builds a `MultiHeadAttention` from a `transformers` attention module.
 
-    Supported: `LlamaAttention`, `MistralAttention`, `Qwen2Attention`,
-    `Gemma2Attention`, `GptOssAttention`, `Phi3Attention`,
-    `SmolLM3Attention`, `Cohere2Attention`, `Qwen3Attention`,
-    `Gemma3Attention`, `Olmo2Attention` and `Llama4TextAttention` (the
-    classes themselves, not subclasses). Read from the module and its
-    `config`, for the module's `layer_idx`, as below. `DeepseekV3Attention`
-    gives a `MultiHeadLatentAttention` instead (`_latent_from_transformers`
-    says what is read):
+    Any family whose attention the layer computes is read, from the module
+    and its `config`, for the module's `layer_idx`; DeepSeek's multi-head
+    latent attention (a module with `kv_a_proj_with_mqa`) gives a
+    `MultiHeadLatentAttention` instead (`_latent_from_transformers` says
+    what is read). docs/importing.md lists every family of the pinned
+    `transformers` with what it uses.
 
-    - heads: `config.num_attention_heads`, `config.num_key_value_heads` and
+    - heads: `config.num_attention_heads`; `config.num_key_value_heads`,
+      or one with `config.multi_query`, or else one per query head;
       `module.head_dim` (`config.head_dim`, or `hidden_size // heads`).
-    - weights: `q_proj`, `k_proj`, `v_proj` and `o_proj`, with their biases
-      (Phi-3: `qkv_proj`, split into queries, keys and values). If any
-      projection has a bias, all four get one, zero where the module has
-      none (Qwen2's `o_proj`): the same function.
+      The weights' shapes must agree.
+    - weights (`hf_structure`): `q_proj`, `k_proj`, `v_proj` and `o_proj`
+      (or `out_proj`, `dense`), or one fused projection (`qkv_proj`,
+      `Wqkv`, `c_attn`, `query_key_value`), with their biases. If any
+      projection has a bias, all get one, zero where the module has none.
+      An output gate (a `gate_proj`, or the gate half of Qwen3-Next's
+      query projection) becomes `use_gate=True`; `sinks`, `use_sinks`.
     - rotary embedding: `config.rope_parameters` (transformers 5, one
       dict or one per layer type) or `config.rope_theta` and
       `config.rope_scaling` (older configs), rope types `"default"`,
       `"linear"`, `"llama3"`, `"yarn"`, `"dynamic"` and `"longrope"`, with
       the parameters and defaults of transformers' `ROPE_INIT_FUNCTIONS`
-      (see `keras_mha.rope_parameters`). Phi-3 rotates the first
-      `int(head_dim * partial_rotary_factor)` features of a head; the
-      others rotate every feature, whatever `partial_rotary_factor` says,
-      and so does the layer. Cohere2 rotates interleaved pairs
-      (`interleaved=True`). `"dynamic"` and `"longrope"` depend on the
-      call's largest position, as in the model; see `RotaryEmbedding` for
-      what that means for a cache.
-    - NoPE layers (`rotary_embedding=None`): SmolLM3's layers where
-      `config.no_rope_layers[layer_idx]` is 0; Cohere2's full-attention
-      layers (it rotates only where it slides); Llama 4's layers where
-      `config.no_rope_layers[layer_idx]` is 0. Llama 4 rotates interleaved
-      pairs too.
-    - query/key norms: Qwen3's and Gemma 3's `q_norm` and `k_norm` (RMS
-      over each head) as `qk_norm="rms"`, OLMo 2's (over the whole
-      projection) with `qk_norm_scope="projection"`, their weights as the
-      scales (Gemma 3 stores `w` for `1 + w`: converted) and their epsilon
-      as `qk_norm_epsilon`; Llama 4's weightless `qk_norm` (its rope layers,
-      with `config.use_qk_norm`) as `qk_norm="l2"`.
-    - Llama 4's chunks: `config.attention_chunk_size` for the layers that
-      `config.layer_types` marks `"chunked_attention"`; its
+      (see `keras_mha.rope_parameters`), on the layers whose forward takes
+      `position_embeddings`, interleaved and partial where the family's
+      row says so. `"dynamic"` and `"longrope"` depend on the call's
+      largest position, as in the model; see `RotaryEmbedding` for what
+      that means for a cache.
+    - NoPE layers (`rotary_embedding=None`): where
+      `config.no_rope_layers[layer_idx]` is 0 (SmolLM3, Llama 4), or the
+      full-attention layers of families that rotate only where they
+      slide (Cohere2, Exaone 4).
+    - query/key norms, probed (`hf_structure`): RMS over each head or
+      over the whole projection, with their weights as the scales (`1 + w`
+      where the norm computes that: Gemma) and their epsilon as
+      `qk_norm_epsilon`; weightless ones as `qk_norm="l2"`.
+    - chunks: `config.attention_chunk_size` for the layers that
+      `config.layer_types` marks `"chunked_attention"`; Llama 4's
       `attn_temperature_tuning` as `query_temperature=(floor_scale,
-      attn_scale)` on its NoPE layers, at the same positions (the cache's
-      length plus `t`) while decoding.
-    - sliding window: Mistral's and Phi-3's `config.sliding_window` for
-      every layer; for the others, `config.sliding_window` where
-      `config.layer_types[layer_idx] == "sliding_attention"`, else none.
-      Hugging Face's window `W` (`kv_idx > q_idx - W`) is our causal
-      `sliding_window=W`.
-    - `module.scaling` (Gemma 2 and 3: `query_pre_attn_scalar ** -0.5`) as
-      `scale`; Gemma's `attn_logit_softcapping` as
-      `attn_logits_soft_cap`; gpt-oss's `module.sinks` as the `sinks`
-      weight (`use_sinks=True`); `config.attention_dropout` as `dropout`.
+      attn_scale)` on its NoPE layers.
+    - sliding window: `config.sliding_window` where
+      `config.layer_types[layer_idx] == "sliding_attention"`, or on every
+      layer for configs without layer types (and Mistral's, which ignores
+      them). Hugging Face's window `W` (`kv_idx > q_idx - W`) is our
+      causal `sliding_window=W`.
+    - `module.scaling` as `scale`; `attn_logit_softcapping` as
+      `attn_logits_soft_cap`; `config.attention_dropout` as `dropout`
+      unless `dropout` is passed.
 
     The layer computes what the module computes, given the model's
     position embeddings for positions `0..T-1` and its causal mask, when
     called as `layer(x, x, use_causal_mask=True)`.
 
     Args:
-        module: one of the modules above.
+        module: a `transformers` attention module.
+        config: the model's config, for a module that keeps none
+            (`module.config`: BART's, BLOOM's); else the module's own.
         **layer_kwargs: more `MultiHeadAttention` arguments (`name`, `dtype`,
             `flash_attention`, `dropout`, ...). Those the module fixes
             (`num_heads`, `key_dim`, `value_dim`, `num_key_value_heads`,
@@ -192,36 +111,44 @@ def from_transformers(module, **layer_kwargs):
         and returning `(B, T, hidden_size)`.
 
     Raises:
-        ValueError: for another module type, a rope setting the layer
-            cannot represent (named), a module whose `sliding_window`
-            disagrees with its config's, query and key norms with different
-            epsilons, a module that is not causal, or an argument the
+        ValueError: naming the module's class and what is missing: a
+            structure or feature the layer does not compute, a config
+            that contradicts the weights, a rope setting the layer cannot
+            represent, a module that is not causal, or an argument the
             module fixes to another value.
     """
-    if not is_transformers_attention(module):
-        supported = ", ".join(name for _, name in FAMILIES)
-        raise ValueError(
-            f"`from_transformers` takes one of {supported}. Received: module "
-            f"of type {type(module).__module__}.{type(module).__qualname__}"
-        )
-    config = module.config
     name = type(module).__qualname__
-    family = _family(module)
-    if family.latent:
-        return _latent_from_transformers(module, name, **layer_kwargs)
-    num_heads = int(config.num_attention_heads)
-    num_kv_heads = int(config.num_key_value_heads)
-    head_dim = int(module.head_dim)
-    hidden_size = int(config.hidden_size)
-    projections = _projections(module, family, num_heads, num_kv_heads,
-                               head_dim)
-    use_bias = any(bias is not None for _, bias in projections.values())
+    config = getattr(module, "config", None) or config
+    if config is None:
+        raise ValueError(
+            f"`from_torch` reads a `transformers` module's heads and rope "
+            f"settings from its `config`, and the {name} keeps none: pass "
+            "the model's, `from_torch(module, config=model.config)`. "
+            "Received: module.config=None, config=None"
+        )
+    family = hf_families.family(config)
+    if family.refused is not None:
+        raise ValueError(
+            f"The {name}: {family.refused} is not supported. Received: "
+            f"model_type={getattr(config, 'model_type', None)!r}"
+        )
+    if hasattr(module, "kv_a_proj_with_mqa"):
+        return _latent_from_transformers(module, name, family, config,
+                                         **layer_kwargs)
+    heads = _heads(module, config, name)
+    structure = hf_structure.read(module, name, heads, family)
+    num_heads, num_kv_heads, head_dim = heads
+    value_dim = _check_shapes(structure, name, heads)
+    hidden_size = structure.query.weight.shape[1]
+    projections = dict(query=structure.query, key=structure.key,
+                       value=structure.value, output=structure.output)
+    if structure.gate is not None:
+        projections["gate"] = structure.gate
+    use_bias = any(d.bias is not None for d in projections.values())
     soft_cap = getattr(module, "attn_logit_softcapping", None)
-    sinks = getattr(module, "sinks", None)
-    sliding_window = _sliding_window(module, name, family)
-    _check_causal(module, name)
-    uses_rope = _uses_rope(module, family)
-    qk_norm, qk_norm_scope, qk_norm_epsilon = _qk_norm(module, family)
+    _check_causal(module, name, config)
+    uses_rope = _uses_rope(module, family, config)
+    qk_norm, qk_norm_scope, qk_norm_epsilon = _qk_norm(structure, name, head_dim)
     query_temperature = None
     if (family.temperature and not uses_rope
             and getattr(config, "attn_temperature_tuning", False)):
@@ -230,176 +157,251 @@ def from_transformers(module, **layer_kwargs):
     rotary_embedding = None
     if uses_rope:
         rotary_embedding = rope_parameters.rotary_embedding(
-            config, head_dim, name, _layer_type(module),
+            config, head_dim, name, _layer_type(module, config),
             family.partial_rotary, interleaved=family.interleaved,
         )
+    scale = getattr(module, "scaling", None)
     fixed = dict(
         num_heads=num_heads,
         key_dim=head_dim,
-        value_dim=head_dim,
+        value_dim=value_dim,
         num_key_value_heads=num_kv_heads,
         use_bias=use_bias,
-        use_gate=False,
+        use_gate=structure.gate is not None,
         output_shape=None,
         rotary_embedding=rotary_embedding,
-        scale=float(module.scaling),
+        scale=float(head_dim**-0.5 if scale is None else scale),
         attn_logits_soft_cap=None if soft_cap is None else float(soft_cap),
-        use_sinks=sinks is not None,
-        use_alibi=False,
-        sliding_window=sliding_window,
+        use_sinks=structure.sinks is not None,
+        use_alibi=_uses_alibi(module, name, family),
+        sliding_window=_sliding_window(module, name, family, config),
         qk_norm=qk_norm,
         qk_norm_scope=qk_norm_scope,
         qk_norm_epsilon=qk_norm_epsilon,
-        attention_chunk_size=_attention_chunk_size(module, family),
+        attention_chunk_size=_attention_chunk_size(module, config),
         query_temperature=query_temperature,
     )
     if host.output_shape(layer_kwargs.get("output_shape")) == (hidden_size,):
         del layer_kwargs["output_shape"]  # the default: the input's size
     _check_fixed_kwargs(layer_kwargs, name, fixed)
-    layer_kwargs.setdefault("dropout", float(config.attention_dropout))
+    _default_dropout(layer_kwargs, config)
     layer = MultiHeadAttention(**{**layer_kwargs, **fixed})
     layer.build((None, None, hidden_size), (None, None, hidden_size))
 
     def weights(projection, kernel_shape, bias_shape):
         # torch: y = x @ W.T + b; head n is features n*H:(n+1)*H.
-        weight, bias = projections[projection]
-        kernel = weight.T.reshape(kernel_shape)
+        dense = projections[projection]
+        kernel = dense.weight.T.reshape(kernel_shape)
         if not use_bias:
             return [kernel]
-        if bias is None:
+        if dense.bias is None:
             return [kernel, np.zeros(bias_shape, kernel.dtype)]
-        return [kernel, bias.reshape(bias_shape)]
+        return [kernel, dense.bias.reshape(bias_shape)]
 
     query_heads = (num_heads, head_dim)
     key_heads = (num_kv_heads, head_dim)
+    value_heads = (num_kv_heads, value_dim)
+    output_heads = (num_heads, value_dim)
     layer.query_dense.set_weights(
         weights("query", (hidden_size, *query_heads), query_heads)
     )  # (E, N, H), (N, H)
     layer.key_dense.set_weights(
         weights("key", (hidden_size, *key_heads), key_heads)
     )  # (E, K, H), (K, H)
+    if structure.gate is not None:
+        layer._gate_dense.set_weights(
+            weights("gate", (hidden_size, *output_heads), output_heads)
+        )  # (E, N, V), (N, V)
     layer.value_dense.set_weights(
-        weights("value", (hidden_size, *key_heads), key_heads)
+        weights("value", (hidden_size, *value_heads), value_heads)
     )  # (E, K, V), (K, V)
     layer.output_dense.set_weights(
-        weights("output", (*query_heads, hidden_size), (hidden_size,))
+        weights("output", (*output_heads, hidden_size), (hidden_size,))
     )  # (N, V, E), (E,)
-    if sinks is not None:
-        layer.sinks.assign(host.to_numpy(sinks))  # (N,)
+    if structure.sinks is not None:
+        layer.sinks.assign(structure.sinks)  # (N,)
     if qk_norm == "rms":
-        for ours, theirs in ((layer.query_norm, module.q_norm),
-                             (layer.key_norm, module.k_norm)):
-            ours.scale.assign(
-                family.norm_offset + host.to_numpy(theirs.weight)
-            )  # (H,), or (N·H,) and (K·H,)
+        layer.query_norm.scale.assign(structure.query_norm.scale)
+        layer.key_norm.scale.assign(structure.key_norm.scale)
     return layer
 
 
-def _projections(module, family, num_heads, num_kv_heads, head_dim):
-    """`{"query", "key", "value", "output"}` -> `(weight, bias)`, torch's
-    `(out, in)` weight and `(out,)` bias (or `None`) as NumPy arrays."""
+def _heads(module, config, name):
+    """`(N, K, H)`: the module's own counts where it keeps them (a decoder
+    of an encoder-decoder model has its own), else its config's."""
 
-    def read(dense):
-        bias = None if dense.bias is None else host.to_numpy(dense.bias)
-        return host.to_numpy(dense.weight), bias
+    def integer(owner, *names):
+        for attribute in names:
+            value = getattr(owner, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
 
-    if not family.fused_qkv:
-        dense = [module.q_proj, module.k_proj, module.v_proj, module.o_proj]
-        return dict(zip(("query", "key", "value", "output"),
-                        map(read, dense)))
-    # Phi-3: rows [queries (N·H), keys (K·H), values (K·H)] of `qkv_proj`.
-    weight, bias = read(module.qkv_proj)
-    stops = np.cumsum([num_heads, num_kv_heads]) * head_dim
-    weights = np.split(weight, stops)
-    biases = [None] * 3 if bias is None else np.split(bias, stops)
-    return dict(
-        query=(weights[0], biases[0]),
-        key=(weights[1], biases[1]),
-        value=(weights[2], biases[2]),
-        output=read(module.o_proj),
-    )
+    num_heads = (integer(module, "num_heads", "num_attention_heads")
+                 or integer(config, "num_attention_heads"))
+    if num_heads is None:
+        raise ValueError(
+            f"The {name} and its config give no number of heads "
+            "(`num_heads`, `config.num_attention_heads`): it is not "
+            "multi-head attention that `from_torch` reads. Received: "
+            f"config of type {type(config).__name__}"
+        )
+    groups = integer(module, "num_key_value_groups")
+    num_kv_heads = integer(module, "num_key_value_heads", "num_kv_heads")
+    if num_kv_heads is None and groups:
+        num_kv_heads = num_heads // groups
+    if num_kv_heads is None:
+        num_kv_heads = integer(config, "num_key_value_heads")
+    if num_kv_heads is None:
+        num_kv_heads = 1 if getattr(config, "multi_query", False) else num_heads
+    head_dim = (integer(module, "head_dim") or integer(config, "head_dim")
+                or int(config.hidden_size) // num_heads)
+    return num_heads, num_kv_heads, head_dim
 
 
-def _check_causal(module, name):
+def _check_shapes(structure, name, heads):
+    """The value head size `V`, once the weights agree with `(N, K, H)`."""
+    num_heads, num_kv_heads, head_dim = heads
+    hidden_size = structure.query.weight.shape[1]
+    value_rows = structure.value.weight.shape[0]
+    value_dim = value_rows // num_kv_heads
+    want = {
+        "query": (num_heads * head_dim, hidden_size),
+        "key": (num_kv_heads * head_dim, hidden_size),
+        "value": (num_kv_heads * value_dim, hidden_size),
+        "output": (hidden_size, num_heads * value_dim),
+    }
+    for projection, shape in want.items():
+        got = getattr(structure, projection).weight.shape
+        if tuple(got) != shape or value_rows % num_kv_heads:
+            raise ValueError(
+                f"The {name}'s {projection} projection has weights of shape "
+                f"{tuple(got)}, and its config's heads (N={num_heads}, "
+                f"K={num_kv_heads}, H={head_dim}) need {shape}. Received: "
+                f"{projection} weight shape {tuple(got)}"
+            )
+    return value_dim
+
+
+def _default_dropout(layer_kwargs, config):
+    """The config's attention dropout, unless `dropout` is passed (a config
+    may have none: Ernie 4.5, Mllama)."""
+    if "dropout" not in layer_kwargs:
+        rate = getattr(config, "attention_dropout", None)
+        layer_kwargs["dropout"] = float(rate or 0.0)
+
+
+def _check_causal(module, name, config):
     """The layer is called causal; a module that is not (Gemma 3 with
     `use_bidirectional_attention`) has a model that masks otherwise."""
-    if not getattr(module, "is_causal", True):
+    inner = getattr(module, "self", module)  # a BERT-style block
+    if not getattr(module, "is_causal", getattr(inner, "is_causal", True)):
         raise ValueError(
             f"The {name} attends both ways (`is_causal=False`), and "
             "`from_torch` imports causal attention only. Received: "
             "use_bidirectional_attention="
-            f"{getattr(module.config, 'use_bidirectional_attention', None)!r}"
+            f"{getattr(config, 'use_bidirectional_attention', None)!r}"
         )
 
 
-def _qk_norm(module, family):
+def _qk_norm(structure, name, head_dim):
     """`(qk_norm, qk_norm_scope, qk_norm_epsilon)` of the module's layer.
 
-    All of them are `x / sqrt(mean(x²) + eps)` over a head (or the whole
-    projection), in float32, then times the weight; transformers normalizes
-    before RoPE except Llama 4, whose weightless norm comes after it: a
-    rotation keeps the mean square, so the order does not matter.
+    Every norm read is `x / sqrt(mean(x²) + eps)` over a head (or the whole
+    projection) times its scale; transformers normalizes before RoPE
+    except Llama 4, whose weightless norm comes after it: a rotation keeps
+    the mean square, so the order does not matter there.
     """
-    if family.qk_norm is None:
+    query, key = structure.query_norm, structure.key_norm
+    if query is None:
         return None, "head", 1e-6
-    if family.qk_norm == "weightless":
-        norm = getattr(module, "qk_norm", None)  # rope layers only
-        if norm is None:
-            return None, "head", 1e-6
-        return "l2", "head", float(norm.eps)
-    epsilons = {_epsilon(module.q_norm), _epsilon(module.k_norm)}
-    if len(epsilons) > 1:
+    if query.epsilon != key.epsilon or (query.scale is None) != (
+            key.scale is None):
         raise ValueError(
-            f"The {type(module).__qualname__}'s query and key norms have "
-            "different epsilons, and the layer has one `qk_norm_epsilon`. "
-            f"Received: q_norm epsilon={_epsilon(module.q_norm)}, k_norm "
-            f"epsilon={_epsilon(module.k_norm)}"
+            f"The {name}'s query and key norms differ (epsilon or weights), "
+            "and the layer has one `qk_norm` and one `qk_norm_epsilon`. "
+            f"Received: query norm epsilon={query.epsilon}, key norm "
+            f"epsilon={key.epsilon}"
         )
-    return "rms", family.qk_norm, epsilons.pop()
+    if query.scale is None:
+        return "l2", "head", query.epsilon
+    scope = "head" if query.scale.shape[0] == head_dim else "projection"
+    return "rms", scope, query.epsilon
 
 
-def _epsilon(norm):
-    # Qwen3RMSNorm and Olmo2RMSNorm: `variance_epsilon`; Gemma3RMSNorm: `eps`.
-    epsilon = getattr(norm, "variance_epsilon", None)
-    return float(norm.eps if epsilon is None else epsilon)
-
-
-def _attention_chunk_size(module, family):
-    """`C` of a chunked layer (Llama 4's `"chunked_attention"`), or `None`."""
-    if not family.chunks or _layer_type(module) != "chunked_attention":
+def _attention_chunk_size(module, config):
+    """`C` of a chunked layer (`"chunked_attention"`: Llama 4), or `None`."""
+    if _layer_type(module, config) != "chunked_attention":
         return None
-    return int(module.config.attention_chunk_size)
+    return int(config.attention_chunk_size)
 
 
-def _uses_rope(module, family):
+def _uses_rope(module, family, config):
     """Whether the module's layer rotates its queries and keys."""
     if family.rope_layers == "no_rope_layers":
         # A true entry means the layer *has* rope, as in the modules.
-        return bool(module.config.no_rope_layers[module.layer_idx])
+        return bool(config.no_rope_layers[module.layer_idx])
     if family.rope_layers == "sliding":
-        return getattr(module, "sliding_window", None) is not None
-    return True
+        return _sliding_window(module, type(module).__qualname__,
+                               family, config) is not None
+    return "position_embeddings" in _forward_parameters(module)
 
 
-def _layer_type(module):
+def _uses_alibi(module, name, family):
+    """Whether the model adds ALiBi's biases to the module's logits: the
+    family's row says so; a forward that takes `alibi` otherwise is
+    refused, since its slopes are the family's code."""
+    if family.alibi:
+        return True
+    if "alibi" in _forward_parameters(module):
+        raise ValueError(
+            f"The {name}'s forward takes ALiBi biases whose slopes "
+            "`from_torch` does not know for its family. Received: "
+            f"model_type={getattr(module, 'config', None) and module.config.model_type!r}"
+        )
+    return False
+
+
+def _forward_parameters(module):
+    try:
+        return inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def _layer_type(module, config):
     """The module's entry of `config.layer_types`, or `None`."""
-    layer_types = getattr(module.config, "layer_types", None)
-    return None if layer_types is None else layer_types[module.layer_idx]
+    layer_types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if layer_types is None or index is None:
+        return None
+    return layer_types[index]
 
 
-def _sliding_window(module, name, family):
+def _sliding_window(module, name, family, config):
     """`W` (our causal `sliding_window`) of the module's layer, or `None`."""
-    config = module.config
-    source = family.window
-    if source is None:
+    if family.window is None:
         return None
     window = getattr(config, "sliding_window", None)
-    if source == "layer_types":
-        layer_type = config.layer_types[module.layer_idx]
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None and (family.window == "layer_types"
+                                or family.rope_layers == "sliding"):
+        raise ValueError(
+            f"The {name}'s family places its windows (and rotary "
+            "embeddings) by `config.layer_types`, and its config has none. "
+            f"Received: model_type={getattr(config, 'model_type', None)!r}, "
+            "layer_types=None"
+        )
+    if family.window == "layer_types" or (family.window == "auto"
+                                          and layer_types is not None):
+        layer_type = _layer_type(module, config)
         window = window if layer_type == "sliding_attention" else None
         # The model masks by the config; the module's copy (which
         # transformers passes to flash attention) must agree.
-        if getattr(module, "sliding_window", window) != window:
+        if family.window == "auto" and getattr(
+                module, "sliding_window", window) != window:
             raise ValueError(
                 f"The {name}'s `sliding_window` disagrees with its config's "
                 f"for layer {module.layer_idx} ({layer_type!r}). Received: "
@@ -429,7 +431,8 @@ def _check_fixed_kwargs(layer_kwargs, name, fixed):
             )
 
 
-def _latent_from_transformers(module, name, **layer_kwargs):
+def _latent_from_transformers(module, name, family, config,
+                              **layer_kwargs):
     """`DeepseekV3Attention` -> `MultiHeadLatentAttention` (see
     `from_transformers`).
 
@@ -451,7 +454,16 @@ def _latent_from_transformers(module, name, **layer_kwargs):
     # Deferred: `keras_mha.latent` is not needed by the other families.
     from keras_mha.latent import MultiHeadLatentAttention
 
-    config = module.config
+    if "position_embeddings" not in _forward_parameters(module):
+        raise ValueError(
+            f"The {name}: latent attention without a rotary embedding "
+            "(NoPE) is not supported. Received: a forward without "
+            "`position_embeddings`"
+        )
+    hf_structure.check_all_read(module, dict(module.named_children()), {
+        "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj",
+        "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj",
+    }, name)
     num_heads = int(config.num_attention_heads)
     hidden_size = int(config.hidden_size)
     q_rank = module.q_lora_rank
@@ -462,7 +474,8 @@ def _latent_from_transformers(module, name, **layer_kwargs):
     use_bias = bool(getattr(config, "attention_bias", False))
     rotary = rope_parameters.rotary_embedding(
         config, rope, name,
-        interleaved=bool(getattr(config, "rope_interleave", False)),
+        interleaved=family.interleaved
+        or bool(getattr(config, "rope_interleave", False)),
     )
     fixed = dict(
         num_heads=num_heads,
@@ -478,7 +491,7 @@ def _latent_from_transformers(module, name, **layer_kwargs):
         sliding_window=None,
     )
     _check_fixed_kwargs(layer_kwargs, name, fixed)
-    layer_kwargs.setdefault("dropout", float(config.attention_dropout))
+    _default_dropout(layer_kwargs, config)
     layer = MultiHeadLatentAttention(**{**layer_kwargs, **fixed})
     shape = (None, None, hidden_size)
     layer.build(shape, shape)

@@ -59,11 +59,20 @@ def build_causal_lm(config, seed=0, scale=0.25):
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="eager"
     ).eval()
+    redraw(attention_modules(model), scale)
+    return model
+
+
+def redraw(modules, scale):
+    """Redraws the modules' parameters as `scale · N(0, 1)` from torch's
+    generator: a model's own initialization is too small for the scores,
+    and so the positions, to matter."""
+    import torch
+
     with torch.no_grad():
-        for module in attention_modules(model):
+        for module in modules:
             for parameter in module.parameters():
                 parameter.copy_(torch.randn(parameter.shape) * scale)
-    return model
 
 
 def attention_modules(model):

@@ -9,6 +9,7 @@ on the active backend as `layer(x, x, use_causal_mask=True)`, and the
 result must equal the module's captured output.
 """
 
+import contextlib
 import functools
 import types
 
@@ -611,12 +612,128 @@ class TestErrors:
         with pytest.raises(ValueError, match=f"`{argument}` is fixed"):
             keras_mha.from_torch(module, **{argument: value})
 
-    def test_subclass(self):
-        module = _module("llama")
+    def test_subclass_reads_as_its_structure(self):
+        """A subclass holds what its base holds: it is read the same."""
+        captured = _run("llama")[0]
+        module = captured.module
+        base = type(module)
 
-        class Custom(type(module)):
+        class Custom(base):
             pass
 
         module.__class__ = Custom
-        with pytest.raises(ValueError, match="takes a `torch.nn"):
-            keras_mha.from_torch(module)
+        try:
+            output = _imported_output(captured)
+        finally:
+            module.__class__ = base
+        np.testing.assert_allclose(output, captured.output, atol=2e-5,
+                                   rtol=1e-5)
+
+
+@contextlib.contextmanager
+def _config_as(module, drop=(), **changes):
+    """The module's config as a plain namespace, without the attributes
+    `drop` and with `changes`, while the block runs."""
+    config = module.config
+    kept = config.to_dict()
+    for name in drop:
+        del kept[name]
+    module.config = types.SimpleNamespace(**{**kept, **changes})
+    try:
+        yield
+    finally:
+        module.config = config
+
+
+class TestDefects:
+    """Configs and modules that earlier importers stumbled on."""
+
+    def test_config_without_attention_dropout(self):
+        """Ernie 4.5's and Mllama's configs have no `attention_dropout`:
+        `dropout=` is taken as passed, and 0 when not."""
+        module = _module("llama")
+        with _config_as(module, drop=["attention_dropout"]):
+            assert not hasattr(module.config, "attention_dropout")
+            assert keras_mha.from_torch(module, dropout=0.25).dropout == 0.25
+            assert keras_mha.from_torch(module).dropout == 0.0
+
+    def test_config_without_layer_types(self):
+        """Qwen3's module reads as Llama's without layer types; Cohere2's,
+        which rotates only where `layer_types` slides, is a named error."""
+        captured = _run("qwen3_norms")[0]
+        with _config_as(captured.module, drop=["layer_types"]):
+            output = _imported_output(captured)
+        np.testing.assert_allclose(output, captured.output, atol=2e-5,
+                                   rtol=1e-5)
+        module = _run("cohere2_windows")[0].module
+        with _config_as(module, drop=["layer_types"]):
+            with pytest.raises(ValueError, match="layer_types=None"):
+                keras_mha.from_torch(module)
+
+    @staticmethod
+    def _weightless_norm(attribute, epsilon):
+        """A weightless RMS norm keeping its epsilon as `attribute` (Llama
+        4's is `eps` before transformers 5.25, `variance_epsilon` since)."""
+
+        class Norm(torch.nn.Module):
+            def forward(self, x):
+                eps = getattr(self, attribute, 0.0)
+                return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+        norm = Norm()
+        if attribute is not None:
+            setattr(norm, attribute, epsilon)
+        return norm
+
+    @pytest.mark.parametrize("attribute", ["variance_epsilon", "eps"])
+    def test_norm_epsilon_under_each_name(self, attribute):
+        captured = _run("llama4_chunked_nope")[0]
+        module = captured.module
+        original = module.qk_norm
+        epsilon = float(getattr(original, "variance_epsilon",
+                                getattr(original, "eps", None)))
+        module.qk_norm = self._weightless_norm(attribute, epsilon)
+        try:
+            layer = keras_mha.from_torch(module)
+            output = _imported_output(captured)
+        finally:
+            module.qk_norm = original
+        assert layer.qk_norm_epsilon == epsilon
+        np.testing.assert_allclose(output, captured.output, atol=2e-5,
+                                   rtol=1e-5)
+
+    def test_norm_without_epsilon(self):
+        module = _run("llama4_chunked_nope")[0].module
+        original = module.qk_norm
+        module.qk_norm = self._weightless_norm(None, 0.0)
+        try:
+            with pytest.raises(ValueError,
+                               match="Llama4TextAttention's `qk_norm`"):
+                keras_mha.from_torch(module)
+        finally:
+            module.qk_norm = original
+
+    def test_module_without_config(self):
+        """A module that keeps no config asks for the model's by name."""
+        module = _module("llama")
+        config = module.config
+        del module.config
+        try:
+            with pytest.raises(ValueError, match="config=model.config"):
+                keras_mha.from_torch(module)
+            layer = keras_mha.from_torch(module, config=config)
+        finally:
+            module.config = config
+        assert layer.num_key_value_heads == KV_HEADS
+
+    def test_config_contradicting_weights(self):
+        module = _module("llama")
+        groups = module.num_key_value_groups
+        del module.num_key_value_groups
+        try:
+            with _config_as(module, num_key_value_heads=1):
+                with pytest.raises(ValueError, match=r"LlamaAttention's key "
+                                   r"projection has weights of shape"):
+                    keras_mha.from_torch(module)
+        finally:
+            module.num_key_value_groups = groups

@@ -1,0 +1,142 @@
+"""What a `transformers` family computes beyond what its module holds.
+
+A module's projections, norms, gates and sinks are read from the module
+(`hf_structure`), its heads, windows, chunks and rope parameters from its
+config. What neither shows is written in the family's code: whether the
+rotary embedding turns interleaved pairs, rotates part of each head, or
+applies on some layers only; how a fused projection lays out its heads;
+how an output gate is computed. That is this table, keyed by the config's
+`model_type`: a family is data, never code. A family not listed reads as
+the default (Llama's computation); one whose config asks for something
+that only the family's code could settle (a partial rotary factor, say) is
+refused by name rather than guessed.
+"""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """Attributes:
+        window: where the model takes each layer's sliding window from:
+            `"auto"` (`config.layer_types`' `"sliding_attention"` layers
+            when the config has layer types, else `config.sliding_window`
+            for every layer), `"config"` (`config.sliding_window` for every
+            layer, whatever `layer_types` says), `"layer_types"` (as
+            `"auto"`, though the module's own `sliding_window` is set on
+            every layer: Exaone 4) or `None` (no window).
+        rope_layers: which layers rotate: `None` (every layer whose forward
+            takes `position_embeddings`), `"no_rope_layers"` (those where
+            `config.no_rope_layers[i]` is true: SmolLM3, Llama 4) or
+            `"sliding"` (those with a sliding window: Cohere2, Exaone 4).
+        partial_rotary: whether the model rotates only
+            `int(H · partial_rotary_factor)` features of each head.
+        interleaved: whether the model rotates the pairs
+            `(x_{2i}, x_{2i+1})` rather than `(x_i, x_{i+d/2})`.
+        fused_layout: how a fused query-key-value projection orders its
+            rows: `"contiguous"` or `"per_head"` (see
+            `hf_structure._split_fused`).
+        query_gate: `"per_head"` where the query projection holds, per
+            head, `H` query rows then `H` gate rows (Qwen3-Next); else
+            `None`.
+        separate_gate: whether a `gate_proj`/`g_proj` is a sigmoid output
+            gate of the input, as the layer's `use_gate`.
+        temperature: whether the NoPE layers scale their queries by
+            position when `config.attn_temperature_tuning` (Llama 4).
+        alibi: whether the model adds ALiBi's biases, with the slopes of
+            the layer's `use_alibi` (BLOOM, MPT; Falcon with
+            `config.alibi`). A module whose forward takes `alibi` from a
+            family not marked so is refused.
+        refused: why the family cannot be imported, or `None`.
+    """
+
+    window: str = "auto"
+    rope_layers: str = None
+    partial_rotary: bool = False
+    interleaved: bool = False
+    fused_layout: str = "contiguous"
+    query_gate: str = None
+    separate_gate: bool = False
+    temperature: bool = False
+    alibi: bool = False
+    refused: str = None
+
+
+DEFAULT = Family()
+
+
+def _refused(reason):
+    return Family(refused=reason)
+
+
+_PARTIAL = Family(partial_rotary=True)
+_INTERLEAVED = Family(interleaved=True)
+_PARTIAL_INTERLEAVED = Family(partial_rotary=True, interleaved=True)
+# Rotary embeddings on the sliding layers only, windows by layer type
+# though the modules hold a window on every layer.
+_ROPE_WHERE_SLIDING = Family(window="layer_types", rope_layers="sliding")
+_GATED_QUERY = Family(partial_rotary=True, query_gate="per_head")
+_SEPARATE_GATE = Family(separate_gate=True)
+_ROPE_INSIDE = _refused("a rotary embedding computed inside the module")
+_NORMS_AFTER_ROPE = _refused("query/key norms after the rotary embedding")
+
+FAMILIES = {
+    "afmoe": Family(separate_gate=True, rope_layers="sliding"),
+    "bamba": _PARTIAL,
+    "bloom": _refused("the block's residual, added inside the attention "
+                      "module"),
+    "codegen": _refused("a fused projection in model-parallel blocks"),
+    "cohere": _INTERLEAVED,
+    "cohere2": Family(rope_layers="sliding", interleaved=True),
+    "cohere2_moe": Family(rope_layers="sliding", interleaved=True),
+    "deepseek_v2": _INTERLEAVED,
+    "diffllama": _refused("differential attention (two softmaxes, "
+                          "subtracted)"),
+    "ergo": _refused("a sliding-window mask that the layer's "
+                     "`sliding_window` does not reproduce"),
+    "ernie4_5": _INTERLEAVED,
+    "ernie4_5_moe": _INTERLEAVED,
+    "exaone4": _ROPE_WHERE_SLIDING,
+    "exaone_moe": _ROPE_WHERE_SLIDING,
+    "flint": Family(rope_layers="sliding"),
+    "glm": _PARTIAL_INTERLEAVED,
+    "glm4": _PARTIAL_INTERLEAVED,
+    "glm4_moe": _PARTIAL,
+    "gpt_neox": Family(partial_rotary=True, fused_layout="per_head"),
+    "gpt_neox_japanese": _refused("an output bias returned apart from the "
+                                  "output"),
+    "gptj": _ROPE_INSIDE,
+    "helium": _INTERLEAVED,
+    "hrm_text": _SEPARATE_GATE,
+    "hunyuan_v1_dense": _NORMS_AFTER_ROPE,
+    "hunyuan_v1_moe": _NORMS_AFTER_ROPE,
+    "kolibri1": _ROPE_WHERE_SLIDING,
+    "laguna": _SEPARATE_GATE,
+    "lara_mini": Family(rope_layers="sliding"),
+    "lfm3": _SEPARATE_GATE,
+    "llama4_text": Family(rope_layers="no_rope_layers", interleaved=True,
+                          temperature=True),
+    "mimo_v2_flash": _refused("value heads and key/value head counts that "
+                              "differ by layer type"),
+    "mistral": Family(window="config"),
+    "mpt": Family(alibi=True),
+    "nanochat": _refused("a rotary embedding that turns the other way"),
+    "nemotron": _PARTIAL,
+    "persimmon": Family(partial_rotary=True, fused_layout="per_head"),
+    "phi": _PARTIAL,
+    "phi3": Family(window="config", partial_rotary=True),
+    "qwen3_5_moe_text": _GATED_QUERY,
+    "qwen3_5_text": _GATED_QUERY,
+    "qwen3_next": _GATED_QUERY,
+    "recurrent_gemma": _ROPE_INSIDE,
+    "roformer": _refused("sinusoidal rotary positions passed in by the "
+                         "model"),
+    "smollm3": Family(rope_layers="no_rope_layers"),
+    "stablelm": _PARTIAL,
+    "xlm": _refused("XLM's attention, causal only with `config.causal`"),
+}
+
+
+def family(config):
+    """The `Family` of a module's config."""
+    return FAMILIES.get(getattr(config, "model_type", None), DEFAULT)

@@ -1,0 +1,395 @@
+"""A `transformers` attention module read from what it holds.
+
+The projections are found by the names `transformers` gives them (separate
+`q_proj`/`k_proj`/`v_proj`, or one fused `qkv_proj`, `Wqkv`, `c_attn`,
+`query_key_value`), the head counts and sizes from the config and checked
+against the weights' shapes, and the query/key norms are read by running
+them on a probe: an RMS norm with `w` or `1 + w` as its scale, or none.
+Every parameter and submodule of the module must be accounted for: one
+that no feature of the layer reads is refused by name, since a module that
+holds more than the layer reads computes more than the layer does.
+Nothing here imports `transformers`; torch is imported only to probe a
+norm, which is a torch module.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from keras_mha import host
+
+# (query, key, value, outputs): separate projections, by the names of the
+# families that use them; the first output name present is the output.
+_SEPARATE = (
+    ("q_proj", "k_proj", "v_proj", ("o_proj", "out_proj", "dense", "Wo")),
+    ("query_proj", "key_proj", "value_proj", ("out_proj",)),
+    ("q_lin", "k_lin", "v_lin", ("out_lin",)),
+    ("Wq", "Wk", "Wv", ("dense",)),
+)
+# (fused query-key-value, outputs).
+_FUSED = (
+    ("qkv_proj", ("o_proj", "out_proj")),
+    ("Wqkv", ("out_proj",)),
+    ("c_attn", ("c_proj",)),
+    ("query_key_value", ("dense",)),
+)
+_NORMS = (
+    ("q_norm", "k_norm"),
+    ("q_layernorm", "k_layernorm"),
+    ("query_layernorm", "key_layernorm"),
+)
+_GATES = ("gate_proj", "g_proj")
+# Submodules that compute nothing the layer must know of.
+_INERT = ("Dropout", "Identity", "RotaryEmbedding", "ModuleList")
+# Buffers that hold a causal mask or a rotary table the model's own masks
+# and rope parameters give again.
+_INERT_BUFFERS = ("bias", "masked_bias", "inv_freq")
+# Parameters and submodules that no feature of the layer reads, with what
+# they do: named in the refusal.
+KNOWN_UNSUPPORTED = {
+    "lambda_q1": "differential attention (two softmaxes, subtracted)",
+    "attn_sub_norm": "a norm between attention and the output projection "
+                     "(BitNet's sub-norm)",
+    "indexer": "a lightning indexer that picks the top-k keys per query",
+    "v_norm": "a norm on the values",
+    "o_norm": "a norm on the attention's output",
+    "relative_position_bias": "a learned relative position bias",
+    "rel_pos_h": "learned relative positions",
+    "relative_pos_embeddings": "learned relative positions",
+    "r_w_bias": "relative attention (Transformer-XL)",
+    "time_decay": "RWKV's recurrence, not softmax attention",
+    "experts": "a mixture of attention experts",
+    "conv1d": "a convolution inside attention",
+    "k_sconv": "a convolution inside attention",
+    "A": "a learned dynamic mask (Doge)",
+    "s_gate": "gated attention scores",
+    "sqk": "scaled query/key products (nGPT's)",
+    "gate_bias": "a gate with a separate bias",
+    "qk_scale": "a learned scale of the query-key products",
+    "ln": "a LayerNorm of the input inside the module",
+    "LayerNorm": "a LayerNorm of the input inside the module",
+    "self_attn_layer_norm": "a LayerNorm of the input inside the module",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """One projection as torch computes it: `y = x @ weight.T + bias`.
+
+    Attributes:
+        weight: `(out, in)` NumPy array.
+        bias: `(out,)` NumPy array or `None`.
+    """
+
+    weight: np.ndarray
+    bias: np.ndarray = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """A query or key norm, as probed.
+
+    Attributes:
+        scale: the scale it multiplies by (`w`, or `1 + w` for a norm that
+            stores `w`), `(H,)` or `(heads·H,)`; `None` for a weightless one.
+        epsilon: its epsilon.
+    """
+
+    scale: np.ndarray
+    epsilon: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """What an attention module holds.
+
+    Attributes:
+        query, key, value, output: `Dense`; `query` without its gate.
+        gate: `Dense` of the output gate, or `None`.
+        query_norm, key_norm: `Norm` or `None`.
+        sinks: `(N,)` array or `None`.
+        fused: the name of a fused query-key-value projection, or `None`.
+    """
+
+    query: Dense
+    key: Dense
+    value: Dense
+    output: Dense
+    gate: Dense = None
+    query_norm: Norm = None
+    key_norm: Norm = None
+    sinks: np.ndarray = None
+    fused: str = None
+
+
+def read(module, name, heads, family):
+    """The `Structure` of `module`.
+
+    Args:
+        module: the attention module.
+        name: its class name, for messages.
+        heads: `(N, K, H)` from its config.
+        family: its `hf_families.Family`.
+
+    Raises:
+        ValueError: for a module whose projections are not found, whose
+            weights contradict `heads`, or that holds a parameter or
+            submodule the layer does not read (named with its feature).
+    """
+    children = dict(module.named_children())
+    used = set()
+    if "self" in children and "output" in children:
+        return _bert(module, children, name, heads, family)
+    projections = _separate(children, used, name)
+    fused = None
+    if projections is None:
+        projections, fused = _fused(children, used, name, heads, family)
+    if projections is None:
+        raise ValueError(
+            f"The {name} has none of the projections `from_torch` reads "
+            "(`q_proj`/`k_proj`/`v_proj`, `qkv_proj`, `Wqkv`, `c_attn` or "
+            "`query_key_value`, with an output projection). Received: "
+            f"submodules {sorted(children)}"
+        )
+    query, key, value, output = projections
+    gate = None
+    num_heads, _, head_dim = heads
+    if query.weight.shape[0] == 2 * num_heads * head_dim:
+        query, gate = _query_gate(query, name, heads, family)
+    for gate_name in _GATES:
+        if gate_name in children:
+            if not family.separate_gate:
+                raise ValueError(
+                    f"The {name} has an output gate `{gate_name}` whose "
+                    "activation `from_torch` does not know for its family."
+                    f" Received: {gate_name}={children[gate_name]}"
+                )
+            gate = _dense(children[gate_name], name, gate_name)
+            used.add(gate_name)
+            if gate.weight.shape[0] != query.weight.shape[0]:
+                raise ValueError(
+                    f"The {name}'s output gate `{gate_name}` has "
+                    f"{gate.weight.shape[0]} outputs, and the layer's gate "
+                    f"has one per query feature ({query.weight.shape[0]}): "
+                    "a gate per head is not supported. Received: weight "
+                    f"shape {tuple(gate.weight.shape)}"
+                )
+    norms = _norms(children, used, name)
+    sinks = None
+    if isinstance(getattr(module, "sinks", None), _parameter_type()):
+        sinks = host.to_numpy(module.sinks)
+    check_all_read(module, children, used | {"sinks"}, name)
+    return Structure(query, key, value, output, gate, *norms, sinks, fused)
+
+
+def _bert(module, children, name, heads, family):
+    """A BERT-style block: self-attention `self` (`query`, `key`,
+    `value`) and `output` (`dense`, then the block's dropout, residual and
+    LayerNorm). The layer is the attention up to `output.dense`; the
+    residual and the LayerNorm stay the block's."""
+    inner = dict(children["self"].named_children())
+    names = ("query", "key", "value")
+    if not all(n in inner for n in names) or not hasattr(children["output"],
+                                                          "dense"):
+        raise ValueError(
+            f"The {name} is a BERT-style block without the `self.query`, "
+            "`self.key`, `self.value` and `output.dense` that `from_torch` "
+            f"reads. Received: submodules of `self` {sorted(inner)}"
+        )
+    check_all_read(children["self"], inner, set(names), name)
+    check_all_read(module, children, {"self", "output"}, name)
+    query, key, value = (_dense(inner[n], name, f"self.{n}") for n in names)
+    output = _dense(children["output"].dense, name, "output.dense")
+    return Structure(query, key, value, output)
+
+
+def _parameter_type():
+    import torch
+
+    return torch.nn.Parameter
+
+
+def _dense(module, owner, attribute):
+    """`Dense` of a torch `Linear`, or of `transformers`' `Conv1D` (GPT-2),
+    whose weight is stored `(in, out)`."""
+    weight = getattr(module, "weight", None)
+    extra = [n for n, _ in module.named_parameters() if n not in ("weight",
+                                                                 "bias")]
+    if weight is None or weight.ndim != 2 or extra:
+        raise ValueError(
+            f"The {owner}'s `{attribute}` is a {type(module).__name__}, not "
+            "a linear projection, and `from_torch` reads linear ones only. "
+            f"Received: parameters {[n for n, _ in module.named_parameters()]}"
+        )
+    weight = host.to_numpy(weight)
+    if type(module).__name__ == "Conv1D":
+        weight = weight.T
+    bias = getattr(module, "bias", None)
+    return Dense(weight, None if bias is None else host.to_numpy(bias))
+
+
+def _separate(children, used, owner):
+    for query, key, value, outputs in _SEPARATE:
+        if not all(n in children for n in (query, key, value)):
+            continue
+        output = next((n for n in outputs if n in children), None)
+        if output is None:
+            return None
+        names = (query, key, value, output)
+        used.update(names)
+        return tuple(_dense(children[n], owner, n) for n in names)
+    return None
+
+
+def _fused(children, used, name, heads, family):
+    for fused, outputs in _FUSED:
+        output = next((n for n in outputs if n in children), None)
+        if fused not in children or output is None:
+            continue
+        used.update((fused, output))
+        dense = _dense(children[fused], name, fused)
+        query, key, value = _split_fused(dense, name, heads,
+                                         family.fused_layout)
+        return (query, key, value, _dense(children[output], name, output)), fused
+    return None, None
+
+
+def _split_fused(dense, name, heads, layout):
+    """Queries, keys and values of one fused projection.
+
+    `layout`: `"contiguous"` (all queries, then keys, then values: Phi-3,
+    MPT, GPT-2) or `"per_head"` (per head, its query, key and value:
+    GPT-NeoX, BLOOM, Persimmon).
+    """
+    num_heads, num_kv_heads, head_dim = heads
+    rows = dense.weight.shape[0]
+    want = (num_heads + 2 * num_kv_heads) * head_dim
+    if rows != want:
+        raise ValueError(
+            f"The {name}'s fused projection has {rows} outputs, and its "
+            f"config's heads (N={num_heads}, K={num_kv_heads}, "
+            f"H={head_dim}) give (N + 2K)·H = {want}. Received: "
+            f"weight shape {tuple(dense.weight.shape)}"
+        )
+    if layout == "per_head":
+        if num_kv_heads != num_heads:
+            raise ValueError(
+                f"The {name}'s fused projection lays out each head's query, "
+                "key and value together, which needs as many key/value "
+                f"heads as query heads. Received: N={num_heads}, "
+                f"K={num_kv_heads}"
+            )
+        # Rows (N, 3, H) -> three (N·H) blocks.
+        order = np.arange(rows).reshape(num_heads, 3, head_dim)
+        index = [order[:, i].reshape(-1) for i in range(3)]
+    elif layout == "contiguous":
+        stops = np.cumsum([num_heads, num_kv_heads, num_kv_heads]) * head_dim
+        index = np.split(np.arange(rows), stops[:-1])
+    else:
+        raise ValueError(
+            f"The {name}'s fused projection has a layout `from_torch` does "
+            f"not read. Received: layout={layout!r}"
+        )
+    bias = dense.bias
+    return tuple(
+        Dense(dense.weight[i], None if bias is None else bias[i])
+        for i in index
+    )
+
+
+def _query_gate(query, name, heads, family):
+    """Qwen3-Next's query projection: per head, `H` query rows then `H`
+    gate rows."""
+    num_heads, _, head_dim = heads
+    if family.query_gate != "per_head":
+        raise ValueError(
+            f"The {name}'s query projection is twice N·H = "
+            f"{num_heads * head_dim} wide (an output gate in it?), in a "
+            "layout `from_torch` does not know for its family. Received: "
+            f"weight shape {tuple(query.weight.shape)}"
+        )
+    order = np.arange(2 * num_heads * head_dim).reshape(num_heads, 2,
+                                                         head_dim)
+    parts = []
+    for i in range(2):
+        rows = order[:, i].reshape(-1)
+        bias = None if query.bias is None else query.bias[rows]
+        parts.append(Dense(query.weight[rows], bias))
+    return tuple(parts)
+
+
+def _norms(children, used, name):
+    if "qk_norm" in children:  # Llama 4: one weightless norm for both
+        used.add("qk_norm")
+        norm = _probe(children["qk_norm"], name, "qk_norm")
+        return norm, norm
+    for query_name, key_name in _NORMS:
+        if query_name in children and key_name in children:
+            used.update((query_name, key_name))
+            return (_probe(children[query_name], name, query_name),
+                    _probe(children[key_name], name, key_name))
+    return None, None
+
+
+def _epsilon(norm, owner, attribute):
+    """The norm's epsilon under any of the names `transformers` uses."""
+    for epsilon_name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(norm, epsilon_name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    raise ValueError(
+        f"The {owner}'s `{attribute}` ({type(norm).__name__}) has no "
+        "epsilon under the names `from_torch` reads (`variance_epsilon`, "
+        "`eps`, `epsilon`). Received: attributes "
+        f"{sorted(k for k in vars(norm) if not k.startswith('_'))}"
+    )
+
+
+def _probe(norm, owner, attribute):
+    """Runs the norm on a probe: it must be `x / sqrt(mean(x²) + eps)`
+    times `w`, `1 + w` or nothing."""
+    import torch
+
+    epsilon = _epsilon(norm, owner, attribute)
+    weight = getattr(norm, "weight", None)
+    params = [p for n, p in norm.named_parameters() if n != "weight"]
+    width = 16 if weight is None else int(weight.shape[-1])
+    probe = np.random.default_rng(0).normal(1.0, 1.0, (2, width))
+    with torch.no_grad():
+        got = host.to_numpy(norm(torch.as_tensor(probe, dtype=torch.float32)))
+    rms = probe / np.sqrt(np.mean(probe**2, -1, keepdims=True) + epsilon)
+    candidates = {None: np.ones(width)}
+    if weight is not None:
+        w = host.to_numpy(weight).astype(np.float64)
+        candidates = {0.0: w, 1.0: 1.0 + w}
+    for scale in candidates.values():
+        if not params and np.allclose(got, rms * scale, rtol=1e-4,
+                                      atol=1e-5):
+            return Norm(None if weight is None else scale.astype(np.float32),
+                        epsilon)
+    raise ValueError(
+        f"The {owner}'s `{attribute}` ({type(norm).__name__}) is not an RMS "
+        "norm with a weight `w` or `1 + w`, the only query/key norm the "
+        "layer has. Received: parameters "
+        f"{[n for n, _ in norm.named_parameters()]}"
+    )
+
+
+def check_all_read(module, children, used, name):
+    """Refuses a module holding a parameter or submodule not in `used`."""
+    unread = [n for n, _ in module.named_parameters(recurse=False)
+              if n not in used]
+    unread += [n for n, _ in module.named_buffers(recurse=False)
+               if n not in used and n not in _INERT_BUFFERS]
+    unread += [n for n, child in children.items()
+               if n not in used and not any(
+                   part in type(child).__name__ for part in _INERT)]
+    if not unread:
+        return
+    features = [KNOWN_UNSUPPORTED[n] for n in unread if n in KNOWN_UNSUPPORTED]
+    what = "; ".join(dict.fromkeys(features)) or (
+        "parts that no feature of the layer reads")
+    raise ValueError(
+        f"The {name}: {what} is not supported. Received: a module holding "
+        f"{sorted(unread)}"
+    )

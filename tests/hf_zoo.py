@@ -1,0 +1,189 @@
+"""Every causal-LM family of the installed `transformers`, built tiny and
+run whole, each attention module's input and output captured by forward
+hooks: the oracle of `tests/test_zoo.py` and of docs/importing.md's table.
+
+A family's tiny model is its `*ForCausalLM` (for a family that wraps a
+text model, the text model's) from its config's defaults with small sizes:
+hidden 64, 4 query heads of 16, 2 key/value heads where the config has
+them, the fewest layers that hold one layer of each default type, windows
+and chunks of 4 so that they bind in the 12 tokens run. Nothing is
+downloaded. The model, not the test, builds the masks and rotary tables.
+"""
+
+import dataclasses
+import gc
+import inspect
+
+import hf_models
+import numpy as np
+
+BATCH, LENGTH = 2, 12
+SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, intermediate_size=32, vocab_size=64,
+             num_hidden_layers=2)
+SMALL = dict(sliding_window=4, attention_chunk_size=4)
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# A BERT-style `*ForCausalLM` is a decoder only with `is_decoder=True`.
+DECODER = dict(is_decoder=True)
+# Families whose defaults need more than the sizes above to build tiny.
+OVERRIDES = {
+    "plbart": dict(decoder_attention_heads=4, encoder_attention_heads=4),
+    "whisper": dict(decoder_attention_heads=4, encoder_attention_heads=4),
+    "dots3_note_text": dict(num_key_value_heads=4),
+    "dots3_note": dict(num_key_value_heads=4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One attention module's call inside a model: `module`, the model's
+    `config`, its input `hidden_states` `(B, T, E)` and first output
+    `output`, float32."""
+
+    module: object
+    config: object
+    hidden_states: np.ndarray
+    output: np.ndarray
+
+
+def model_types():
+    """The model types of `transformers`' causal-LM mapping."""
+    from transformers.models.auto import modeling_auto
+
+    return list(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _text_classes(model_type):
+    """`(model class, config class)` of the family's causal LM, or of its
+    text model where the family wraps one."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    model_class = getattr(transformers, names[model_type])
+    config_class = model_class.config_class
+    text = getattr(config_class(), "text_config", None)
+    text_type = getattr(text, "model_type", None)
+    if text is None or not text_type:
+        return model_class, config_class
+    text = type(text)
+    if text_type in names:
+        return getattr(transformers, names[text_type]), text
+    return None, text  # the text model: `AutoModel`
+
+
+def tiny_config(model_type):
+    """`(model class or None, config)` of the family's tiny model."""
+    model_class, config_class = _text_classes(model_type)
+    parameters = inspect.signature(config_class.__init__).parameters
+    aliases = getattr(config_class, "attribute_map", None) or {}
+    default = config_class()
+    kwargs = {}
+    for name, value in {**SIZES, **TOKENS, **DECODER}.items():
+        for key in (aliases.get(name, name), name):
+            if key in parameters:
+                kwargs[key] = value
+                break
+    layer_types = getattr(default, "layer_types", None)
+    if layer_types:
+        layers = max(2, max(layer_types.index(t) for t in set(layer_types))
+                     + 1)
+        kwargs[aliases.get("num_hidden_layers", "num_hidden_layers")] = layers
+        if "layer_types" in parameters:
+            kwargs["layer_types"] = list(layer_types[:layers])
+    if "qk_rope_head_dim" in parameters:  # latent attention
+        kwargs.update(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                      kv_lora_rank=16, num_key_value_heads=4)
+        kwargs.pop("head_dim", None)
+    if "rotary_dim" in parameters:  # GPT-J, CodeGen
+        kwargs["rotary_dim"] = 8
+    for name, value in SMALL.items():
+        if name in parameters and getattr(default, name, None) is not None:
+            kwargs[name] = value
+    kwargs.update(OVERRIDES.get(model_type, {}))
+    return model_class, config_class(**kwargs)
+
+
+def build(model_type, seed=0, scale=0.25):
+    """The family's tiny model, eager attention, in eval mode, its attention
+    modules' parameters redrawn as `scale · N(0, 1)` so that the scores,
+    and so the positions, matter."""
+    import torch
+    import transformers
+
+    model_class, config = tiny_config(model_type)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    if model_class is None:
+        model = transformers.AutoModel.from_config(config)
+    else:
+        model = model_class(config)
+    model.eval()
+    hf_models.redraw(attention_modules(model), scale)
+    return model
+
+
+def attention_modules(model):
+    """The model's outermost attention modules (a class named
+    `*Attention*`, not a decoder layer or block that holds one), in
+    order."""
+    found = []
+    for name, module in model.named_modules():
+        class_name = type(module).__name__
+        if ("Attention" not in class_name
+                or class_name.endswith(("Layer", "Block"))):
+            continue
+        if any(name.startswith(outer + ".") for outer, _ in found):
+            continue
+        found.append((name, module))
+    return [module for _, module in found]
+
+
+def run(model_type, seed=0):
+    """Builds the family's tiny model and runs it on `(BATCH, LENGTH)`
+    tokens: one `Call` per attention module that ran, in order."""
+    import torch
+
+    model = build(model_type, seed)
+    calls = {}
+
+    def hook(module, args, kwargs, output):
+        if module in calls:
+            return
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        first = output[0] if isinstance(output, (tuple, list)) else output
+        if not (torch.is_tensor(hidden) and torch.is_tensor(first)):
+            return
+        calls[module] = Call(module, model.config, hidden.detach().float().numpy().copy(),
+                             first.detach().float().numpy().copy())
+
+    def output_dense(module):
+        # A BERT-style block's attention ends at `output.dense`, before
+        # the residual and the LayerNorm of its block (see
+        # `keras_mha.hf_structure`): that is what is compared.
+        def hook(dense, args, output):
+            captured_dense[module] = output.detach().float().numpy().copy()
+        return hook
+
+    captured_dense = {}
+    handles = [m.register_forward_hook(hook, with_kwargs=True)
+               for m in attention_modules(model)]
+    for module in attention_modules(model):
+        dense = getattr(getattr(module, "output", None), "dense", None)
+        if dense is not None and hasattr(module, "self"):
+            handles.append(dense.register_forward_hook(output_dense(module)))
+    vocab = int(model.config.get_text_config().vocab_size)
+    tokens = np.random.default_rng(0).integers(3, min(vocab, 64),
+                                               size=(BATCH, LENGTH))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.as_tensor(tokens), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    result = [dataclasses.replace(call, output=captured_dense[module])
+              if module in captured_dense else call
+              for module, call in calls.items()]
+    del model
+    gc.collect()
+    return result

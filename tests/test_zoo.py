@@ -1,0 +1,189 @@
+"""Every causal-LM family of the pinned `transformers`: `from_torch`
+imports each attention module and computes what it computed inside its
+model, or refuses it with a `ValueError` that names its class and what is
+missing. Never a layer that computes something else.
+
+Each family's tiny model runs whole in torch (`hf_zoo.run`): the model
+builds its masks and rotary tables. On torch every family runs; on the
+other backends one family per feature (`FEATURES`). The table of families
+in docs/importing.md is this test's result, rendered (`render_table`):
+`KERAS_MHA_WRITE_ZOO=1 pytest tests/test_zoo.py` writes it.
+"""
+
+import functools
+import os
+import pathlib
+
+import keras
+import numpy as np
+import pytest
+from util import to_numpy
+
+import keras_mha
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+import hf_zoo  # noqa: E402
+
+BACKEND = keras.backend.backend()
+DOCS = pathlib.Path(__file__).parent.parent / "docs" / "importing.md"
+BEGIN, END = "<!-- zoo table: begin -->", "<!-- zoo table: end -->"
+# The fewest families that must import; raised as families are added.
+AT_LEAST = 120
+
+# One family per feature, run on every backend.
+FEATURES = {
+    "llama": "grouped-query heads, RoPE",
+    "mistral": "a window on every layer",
+    "gemma3_text": "local and global layers, norms of `1 + w`",
+    "olmo2": "norms over the whole projection",
+    "phi3": "a fused `qkv_proj`, partial rotary",
+    "cohere": "interleaved rotary",
+    "qwen3_next": "an output gate in the query projection",
+    "afmoe": "a separate output gate",
+    "gpt_oss": "sinks",
+    "mpt": "ALiBi",
+    "gpt2": "GPT-2's `Conv1D` projections",
+    "gpt_bigcode": "multi-query",
+    "bart": "a decoder's attention that keeps no config",
+    "bert": "a BERT-style block",
+    "deepseek_v3": "multi-head latent attention",
+    "llama4_text": "chunks, NoPE layers, query temperature",
+}
+# Families whose tiny model does not build from their defaults, and why.
+NOT_BUILT = {
+    "blt": "its tiny model runs over two minutes (byte-level patching)",
+    "cohere_compass_text": "its default config has no rope parameters for "
+                           "its full-attention layers",
+    "dbrx": "its attention config has no `rope_theta`",
+    "deepseek_v2": "its default config has no `num_experts_per_tok`",
+    "dots1": "its MoE cannot be built with a tiny config",
+    "gemma3n": "its KV-sharing layer types do not survive fewer layers",
+    "gemma3n_text": "its KV-sharing layer types do not survive fewer layers",
+    "gemma4_assistant": "its config needs a per-layer input size of 0",
+    "gpt_neo": "its attention layer pattern needs its default depth",
+    "kolibri1_1": "its indexer heads need their default counts",
+    "lfm2_moe": "its default config has no layer types",
+    "longcat_flash": "its latent head sizes do not shrink with the others",
+    "mamba2": "its state-space heads do not shrink with the others",
+    "musicgen": "its codebooks need their default sizes",
+    "musicgen_melody": "its codebooks need their default sizes",
+    "qwen4_exp": "its default config has no head sizes",
+    "qwen4_exp_text": "its default config has no head sizes",
+    "reformer": "its LSH attention needs its default chunk sizes",
+    "xmod": "it needs a default language set on the model",
+    "zamba": "its shared blocks do not tie at fewer layers",
+    "zamba2": "its layer types need their default depth",
+}
+
+
+def _families():
+    types = hf_zoo.model_types()
+    return types if BACKEND == "torch" else list(FEATURES)
+
+
+@functools.lru_cache(maxsize=None)
+def _calls(model_type):
+    return tuple(hf_zoo.run(model_type))
+
+
+def _import(call):
+    """The imported layer's output on the call's input, or the
+    `ValueError` of the refusal."""
+    try:
+        layer = keras_mha.from_torch(call.module, config=call.config)
+    except ValueError as error:
+        return error
+    x = call.hidden_states
+    return to_numpy(layer(x, x, use_causal_mask=True))
+
+
+@functools.lru_cache(maxsize=None)
+def result(model_type):
+    """`(status, detail, classes)` of a family: `"imported"` (every
+    attention module), `"partly"` (its softmax layers; the others
+    refused), `"refused"`, `"not built"` or `"no attention"`."""
+    if model_type in NOT_BUILT:
+        return "not built", NOT_BUILT[model_type], ()
+    calls = _calls(model_type)
+    if not calls:
+        return "no attention", "no attention module ran", ()
+    refusals, classes = [], []
+    for call in calls:
+        name = type(call.module).__qualname__
+        classes.append(name)
+        got = _import(call)
+        if isinstance(got, ValueError):
+            refusals.append(str(got))
+            continue
+        scale = max(1.0, float(np.max(np.abs(call.output))))
+        error = float(np.max(np.abs(got - call.output))) / scale
+        assert error < 1e-4, (
+            f"{model_type}: {name} imports but computes something else "
+            f"(max |difference| {error:.3g} of {scale:.3g})"
+        )
+    classes = tuple(dict.fromkeys(classes))
+    if not refusals:
+        return "imported", "", classes
+    status = "partly" if len(refusals) < len(calls) else "refused"
+    return status, refusals[0], classes
+
+
+@pytest.mark.parametrize("model_type", _families())
+def test_family_imports_or_is_refused_by_name(model_type):
+    """Imported modules match their output inside the model; a refused one
+    names its class; the outputs compared are not trivial."""
+    status, detail, classes = result(model_type)
+    if model_type == "blt":
+        pytest.skip(NOT_BUILT["blt"])
+    if status == "not built":
+        with pytest.raises(Exception):  # the list cannot go stale
+            _calls(model_type)
+        return
+    for call in _calls(model_type):
+        assert np.std(call.output) > 1e-3, (model_type, "trivial output")
+    if status in ("refused", "partly"):
+        assert any(name in detail for name in classes), detail
+    if model_type in FEATURES:
+        assert status == "imported", (model_type, detail)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the whole zoo runs on torch")
+def test_count_and_docs_table():
+    """At least `AT_LEAST` families import, and docs/importing.md's table
+    is this test's result."""
+    table = render_table()
+    imported = sum(result(t)[0] in ("imported", "partly")
+                   for t in hf_zoo.model_types())
+    assert imported >= AT_LEAST, imported
+    text = DOCS.read_text()
+    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
+    if os.environ.get("KERAS_MHA_WRITE_ZOO"):
+        DOCS.write_text(text[:start] + "\n" + table + text[stop:])
+        return
+    assert text[start:stop].strip() == table.strip(), (
+        "docs/importing.md's family table is out of date: run "
+        "KERAS_MHA_WRITE_ZOO=1 pytest tests/test_zoo.py -k docs_table"
+    )
+
+
+def render_table():
+    """The families' table of docs/importing.md, with a count."""
+    types = hf_zoo.model_types()
+    rows = ["| model type | status | attention classes | why not |",
+            "|---|---|---|---|"]
+    counts = {}
+    for model_type in types:
+        status, detail, classes = result(model_type)
+        counts[status] = counts.get(status, 0) + 1
+        why = detail.split(" Received:")[0].replace("|", "\\|")
+        why = why.replace("\n", " ")
+        if status == "imported":
+            why = ""
+        names = ", ".join(f"`{c}`" for c in classes)
+        rows.append(f"| `{model_type}` | {status} | {names} | {why} |")
+    summary = ", ".join(f"{n} {status}" for status, n in sorted(
+        counts.items(), key=lambda item: -item[1]))
+    head = (f"{len(types)} model types in transformers "
+            f"{transformers.__version__}'s causal-LM mapping: {summary}.")
+    return head + "\n\n" + "\n".join(rows) + "\n"
