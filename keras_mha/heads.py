@@ -118,9 +118,8 @@ def queries(layer, q, offset, tokens=None):
     """The layer's projected queries `(B, T, N, H)` at positions `offset +
     t`, ready for attention: padding zeroed, normalized, rotated, scaled
     by the temperature."""
-    q = _norm(layer, "query", zero_padding(q, tokens))
-    if layer._rotary_embedding is not None:
-        q = layer._rotary_embedding(q, start_index=offset)
+    q = _rotated_and_normalized(layer, "query", zero_padding(q, tokens),
+                                offset)
     if layer._query_temperature is not None:
         q = temperature(q, offset, *layer._query_temperature)
     return q
@@ -129,10 +128,19 @@ def queries(layer, q, offset, tokens=None):
 def keys(layer, k, offset, tokens=None):
     """The layer's projected keys `(B, S, K, H)` at positions `offset + j`:
     padding zeroed, normalized, rotated."""
-    k = _norm(layer, "key", zero_padding(k, tokens))
+    return _rotated_and_normalized(layer, "key", zero_padding(k, tokens),
+                                   offset)
+
+
+def _rotated_and_normalized(layer, name, x, offset):
+    """The norm, then RoPE; or RoPE, then the norm
+    (`qk_norm_after_rope`)."""
+    after = layer._qk_norm_after_rope
+    if not after:
+        x = _norm(layer, name, x)
     if layer._rotary_embedding is not None:
-        k = layer._rotary_embedding(k, start_index=offset)
-    return k
+        x = layer._rotary_embedding(x, start_index=offset)
+    return _norm(layer, name, x) if after else x
 
 
 def _norm(layer, name, x):

@@ -34,7 +34,7 @@ class Family:
         interleaved: whether the model rotates the pairs
             `(x_{2i}, x_{2i+1})` rather than `(x_i, x_{i+d/2})`.
         fused_layout: how a fused query-key-value projection orders its
-            rows: `"contiguous"` or `"per_head"` (see
+            rows: `"contiguous"`, `"per_head"` or `"model_parallel"` (see
             `hf_structure._split_fused`).
         query_gate: `"per_head"` where the query projection holds, per
             head, `H` query rows then `H` gate rows (Qwen3-Next); else
@@ -43,6 +43,8 @@ class Family:
             gate of the input, as the layer's `use_gate`.
         temperature: whether the NoPE layers scale their queries by
             position when `config.attn_temperature_tuning` (Llama 4).
+        norms_after_rope: whether the query/key norms come after the
+            rotary embedding (Hunyuan), as `qk_norm_after_rope=True`.
         alibi: whether the model adds ALiBi's biases, with the slopes of
             the layer's `use_alibi` (BLOOM, MPT; Falcon with
             `config.alibi`). A module whose forward takes `alibi` from a
@@ -58,6 +60,7 @@ class Family:
     query_gate: str = None
     separate_gate: bool = False
     temperature: bool = False
+    norms_after_rope: bool = False
     alibi: bool = False
     refused: str = None
 
@@ -77,15 +80,14 @@ _PARTIAL_INTERLEAVED = Family(partial_rotary=True, interleaved=True)
 _ROPE_WHERE_SLIDING = Family(window="layer_types", rope_layers="sliding")
 _GATED_QUERY = Family(partial_rotary=True, query_gate="per_head")
 _SEPARATE_GATE = Family(separate_gate=True)
-_ROPE_INSIDE = _refused("a rotary embedding computed inside the module")
-_NORMS_AFTER_ROPE = _refused("query/key norms after the rotary embedding")
+_NORMS_AFTER_ROPE = Family(norms_after_rope=True)
 
 FAMILIES = {
     "afmoe": Family(separate_gate=True, rope_layers="sliding"),
     "bamba": _PARTIAL,
     "bloom": _refused("the block's residual, added inside the attention "
                       "module"),
-    "codegen": _refused("a fused projection in model-parallel blocks"),
+    "codegen": Family(interleaved=True, fused_layout="model_parallel"),
     "cohere": _INTERLEAVED,
     "cohere2": Family(rope_layers="sliding", interleaved=True),
     "cohere2_moe": Family(rope_layers="sliding", interleaved=True),
@@ -105,7 +107,7 @@ FAMILIES = {
     "gpt_neox": Family(partial_rotary=True, fused_layout="per_head"),
     "gpt_neox_japanese": _refused("an output bias returned apart from the "
                                   "output"),
-    "gptj": _ROPE_INSIDE,
+    "gptj": _INTERLEAVED,
     "helium": _INTERLEAVED,
     "hrm_text": _SEPARATE_GATE,
     "hunyuan_v1_dense": _NORMS_AFTER_ROPE,
@@ -128,7 +130,7 @@ FAMILIES = {
     "qwen3_5_moe_text": _GATED_QUERY,
     "qwen3_5_text": _GATED_QUERY,
     "qwen3_next": _GATED_QUERY,
-    "recurrent_gemma": _ROPE_INSIDE,
+    "recurrent_gemma": _PARTIAL,
     "roformer": _refused("sinusoidal rotary positions passed in by the "
                          "model"),
     "smollm3": Family(rope_layers="no_rope_layers"),

@@ -143,7 +143,8 @@ def read(module, name, heads, family):
     projections = _separate(children, used, name)
     fused = None
     if projections is None:
-        projections, fused = _fused(children, used, name, heads, family)
+        projections, fused = _fused(module, children, used, name, heads,
+                                    family)
     if projections is None:
         raise ValueError(
             f"The {name} has none of the projections `from_torch` reads "
@@ -241,7 +242,7 @@ def _separate(children, used, owner):
     return None
 
 
-def _fused(children, used, name, heads, family):
+def _fused(module, children, used, name, heads, family):
     for fused, outputs in _FUSED:
         output = next((n for n in outputs if n in children), None)
         if fused not in children or output is None:
@@ -249,17 +250,19 @@ def _fused(children, used, name, heads, family):
         used.update((fused, output))
         dense = _dense(children[fused], name, fused)
         query, key, value = _split_fused(dense, name, heads,
-                                         family.fused_layout)
+                                         family.fused_layout,
+                                         getattr(module, "mp_num", None))
         return (query, key, value, _dense(children[output], name, output)), fused
     return None, None
 
 
-def _split_fused(dense, name, heads, layout):
+def _split_fused(dense, name, heads, layout, blocks=None):
     """Queries, keys and values of one fused projection.
 
     `layout`: `"contiguous"` (all queries, then keys, then values: Phi-3,
-    MPT, GPT-2) or `"per_head"` (per head, its query, key and value:
-    GPT-NeoX, BLOOM, Persimmon).
+    MPT, GPT-2), `"per_head"` (per head, its query, key and value:
+    GPT-NeoX, Persimmon) or `"model_parallel"` (CodeGen: `blocks` blocks,
+    each its heads' queries, values, then keys).
     """
     num_heads, num_kv_heads, head_dim = heads
     rows = dense.weight.shape[0]
@@ -282,6 +285,9 @@ def _split_fused(dense, name, heads, layout):
         # Rows (N, 3, H) -> three (N·H) blocks.
         order = np.arange(rows).reshape(num_heads, 3, head_dim)
         index = [order[:, i].reshape(-1) for i in range(3)]
+    elif layout == "model_parallel" and blocks and num_kv_heads == num_heads:
+        order = np.arange(rows).reshape(blocks, 3, -1)
+        index = [order[:, i].reshape(-1) for i in (0, 2, 1)]
     elif layout == "contiguous":
         stops = np.cumsum([num_heads, num_kv_heads, num_kv_heads]) * head_dim
         index = np.split(np.arange(rows), stops[:-1])

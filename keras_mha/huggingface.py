@@ -74,7 +74,8 @@ def from_transformers(module, config=None, **layer_kwargs):
     - query/key norms, probed (`hf_structure`): RMS over each head or
       over the whole projection, with their weights as the scales (`1 + w`
       where the norm computes that: Gemma) and their epsilon as
-      `qk_norm_epsilon`; weightless ones as `qk_norm="l2"`.
+      `qk_norm_epsilon`; weightless ones as `qk_norm="l2"`; after the
+      rotary embedding where the family's row says so (Hunyuan).
     - chunks: `config.attention_chunk_size` for the layers that
       `config.layer_types` marks `"chunked_attention"`; Llama 4's
       `attn_temperature_tuning` as `query_temperature=(floor_scale,
@@ -102,8 +103,8 @@ def from_transformers(module, config=None, **layer_kwargs):
             `use_bias`, `use_gate`, `output_shape`, `rotary_embedding`,
             `scale`, `attn_logits_soft_cap`, `use_sinks`, `use_alibi`,
             `sliding_window`, `qk_norm`, `qk_norm_scope`,
-            `qk_norm_epsilon`, `attention_chunk_size`,
-            `query_temperature`) may be passed only with the module's values;
+            `qk_norm_epsilon`, `attention_chunk_size`, `query_temperature`,
+            `qk_norm_after_rope`) may be passed only with the module's values;
             `rotary_embedding` not at all.
 
     Returns:
@@ -135,6 +136,7 @@ def from_transformers(module, config=None, **layer_kwargs):
     if hasattr(module, "kv_a_proj_with_mqa"):
         return _latent_from_transformers(module, name, family, config,
                                          **layer_kwargs)
+    _check_no_clipping(module, name, config)
     heads = _heads(module, config, name)
     structure = hf_structure.read(module, name, heads, family)
     num_heads, num_kv_heads, head_dim = heads
@@ -156,9 +158,13 @@ def from_transformers(module, config=None, **layer_kwargs):
                              float(config.attn_scale))
     rotary_embedding = None
     if uses_rope:
+        # GPT-J rotates the first `module.rotary_dim` features, with the
+        # frequencies of a head of that size.
+        rotary_dim = getattr(module, "rotary_dim", None)
         rotary_embedding = rope_parameters.rotary_embedding(
-            config, head_dim, name, _layer_type(module, config),
-            family.partial_rotary, interleaved=family.interleaved,
+            config, rotary_dim if isinstance(rotary_dim, int) else head_dim,
+            name, _layer_type(module, config), family.partial_rotary,
+            interleaved=family.interleaved,
         )
     scale = getattr(module, "scaling", None)
     fixed = dict(
@@ -180,6 +186,7 @@ def from_transformers(module, config=None, **layer_kwargs):
         qk_norm_epsilon=qk_norm_epsilon,
         attention_chunk_size=_attention_chunk_size(module, config),
         query_temperature=query_temperature,
+        qk_norm_after_rope=qk_norm is not None and family.norms_after_rope,
     )
     if host.output_shape(layer_kwargs.get("output_shape")) == (hidden_size,):
         del layer_kwargs["output_shape"]  # the default: the input's size
@@ -283,6 +290,20 @@ def _check_shapes(structure, name, heads):
     return value_dim
 
 
+def _check_no_clipping(module, name, config):
+    """DBRX and MPT may clamp the projected queries, keys and values
+    (`clip_qkv`); the layer does not."""
+    clip = getattr(module, "clip_qkv", None)
+    for owner in (config, getattr(config, "attn_config", None)):
+        if clip is None and owner is not None:
+            clip = getattr(owner, "clip_qkv", None)
+    if clip is not None:
+        raise ValueError(
+            f"The {name}: clamping the projected queries, keys and values "
+            f"is not supported. Received: clip_qkv={clip!r}"
+        )
+
+
 def _default_dropout(layer_kwargs, config):
     """The config's attention dropout, unless `dropout` is passed (a config
     may have none: Ernie 4.5, Mllama)."""
@@ -344,7 +365,13 @@ def _uses_rope(module, family, config):
     if family.rope_layers == "sliding":
         return _sliding_window(module, type(module).__qualname__,
                                family, config) is not None
-    return "position_embeddings" in _forward_parameters(module)
+    # A model may pass `None` instead (NoPE by its config: GraniteMoeHybrid
+    # with `position_embedding_type=None`).
+    if getattr(config, "position_embedding_type", "rope") not in ("rope",):
+        return False
+    # RecurrentGemma's module holds its rotary embedding and applies it.
+    return ("position_embeddings" in _forward_parameters(module)
+            or hasattr(module, "rotary_emb"))
 
 
 def _uses_alibi(module, name, family):

@@ -18,10 +18,7 @@ from keras_mha import projections
 from keras_mha.attention import latent as latent_lib
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
-
-
-def _read_only(attribute, doc=None):
-    return property(lambda self: getattr(self, attribute), doc=doc)
+from keras_mha.properties import read_only as _read_only
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")

@@ -1,6 +1,6 @@
 """`keras_mha.MultiHeadAttention`: projections around one attention call.
 
-`call` reads as: check the arguments (`checks.py`), project the inputs into
+`call` reads as: check the arguments (`checks/`), project the inputs into
 heads (`axes.py` folds any `attention_axes` into one sequence), describe
 what the call asks of attention (an `AttentionSpec`), attend
 (`keras_mha.attention.attend` picks the algorithm), project back.
@@ -20,10 +20,7 @@ from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
 from keras_mha.hooks import LayerHooks
-
-
-def _read_only(attribute, doc=None):
-    return property(lambda self: getattr(self, attribute), doc=doc)
+from keras_mha.properties import read_only as _read_only
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
@@ -101,6 +98,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
             qk_norm_epsilon)`, with `"rms"` times the `scale` of the
             sublayers `query_norm` and `key_norm` (Qwen3, Gemma 3, OLMo 2);
             `"l2"` has no weights (Llama 4).
+        qk_norm_after_rope: the norms come after RoPE instead (Hunyuan).
         qk_norm_scope: `"head"`: each head's `H` features, one `(H,)`
             scale; `"projection"`: a token's heads together, scales
             `(N·H,)` and `(K·H,)` (OLMo 2).
@@ -183,6 +181,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         qk_norm_scope="head",
         qk_norm_epsilon=1e-6,
         query_temperature=None,
+        qk_norm_after_rope=False,
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
@@ -210,8 +209,8 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         use_alibi = checks.boolean("use_alibi", use_alibi)
         rotary_embedding = checks.rotary_embedding(rotary_embedding)
         head_features = checks.head_features(
-            qk_norm, qk_norm_scope, qk_norm_epsilon, query_temperature
-        )
+            qk_norm, qk_norm_scope, qk_norm_epsilon, query_temperature,
+            qk_norm_after_rope)
         flash_attention = checks.flash_attention(flash_attention, dropout)
         super().__init__(**kwargs)
         self.supports_masking = True
@@ -248,11 +247,10 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         self._use_alibi = use_alibi
         self._rotary_embedding = rotary_embedding
         (self._qk_norm, self._qk_norm_scope, self._qk_norm_epsilon,
-         self._query_temperature) = head_features
+         self._query_temperature, self._qk_norm_after_rope) = head_features
         self._query_norm = self._key_norm = None  # `HeadNorm`s, built
 
-    # Read-only properties as in Keras. `output_shape` is not one: it would
-    # clash with `Functional.summary()`.
+    # Read-only as in Keras; not `output_shape` (`Functional.summary()`).
     num_heads = _read_only("_num_heads")
     num_key_value_heads = _read_only("_num_key_value_heads")
     key_dim = _read_only("_key_dim")
@@ -271,6 +269,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
     qk_norm = _read_only("_qk_norm")
     qk_norm_scope = _read_only("_qk_norm_scope")
     qk_norm_epsilon = _read_only("_qk_norm_epsilon")
+    qk_norm_after_rope = _read_only("_qk_norm_after_rope")
     query_temperature = _read_only("_query_temperature")
     query_norm = _read_only("_query_norm", "`qk_norm='rms'`: a `HeadNorm`.")
     key_norm = _read_only("_key_norm", "`qk_norm='rms'`: a `HeadNorm`.")
@@ -315,6 +314,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
             qk_norm_scope=self._qk_norm_scope,
             qk_norm_epsilon=self._qk_norm_epsilon,
             query_temperature=self._query_temperature,
+            qk_norm_after_rope=self._qk_norm_after_rope,
         )
         return {**super().get_config(), **config}
 

@@ -27,6 +27,19 @@ TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 DECODER = dict(is_decoder=True)
 # Families whose defaults need more than the sizes above to build tiny.
 OVERRIDES = {
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]],
+                    window_size=4),
+    "kolibri1_1": dict(index_num_heads=2),
+    "cohere_compass_text": dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }),
+    "bamba": dict(attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "dbrx": dict(attn_config={"rope_theta": 10000.0, "kv_n_heads": 2,
+                              "clip_qkv": 8.0}),
+    "deepseek_v2": dict(num_experts_per_tok=2, moe_intermediate_size=32),
     "plbart": dict(decoder_attention_heads=4, encoder_attention_heads=4),
     "whisper": dict(decoder_attention_heads=4, encoder_attention_heads=4),
     "dots3_note_text": dict(num_key_value_heads=4),
@@ -131,7 +144,7 @@ def attention_modules(model):
     for name, module in model.named_modules():
         class_name = type(module).__name__
         if ("Attention" not in class_name
-                or class_name.endswith(("Layer", "Block"))):
+                or class_name.endswith(("Layer", "Block", "Norm"))):
             continue
         if any(name.startswith(outer + ".") for outer, _ in found):
             continue

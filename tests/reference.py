@@ -127,6 +127,7 @@ def reference_attention(
     qk_norm=None,
     query_temperature=None,
     chunk_size=None,
+    qk_norm_after_rope=False,
 ):
     """Returns `(output, weights)` for rank-3 inputs, in float64.
 
@@ -137,7 +138,7 @@ def reference_attention(
     the keyword arguments of `rotate`; `qk_norm` `None` or `(scope,
     epsilon, query_scale, key_scale)` (scales `None` without weights);
     `query_temperature` `None` or `(floor_scale, scale)`; `chunk_size`
-    `None` or `C`.
+    `None` or `C`; `qk_norm_after_rope` puts the norms after the rotation.
     """
     f64 = lambda x: None if x is None else np.asarray(x, dtype="float64")
     query, value = f64(query), f64(value)
@@ -145,17 +146,21 @@ def reference_attention(
     q = _project(query, weights["query"], weights["query_bias"])
     k = _project(key, weights["key"], weights["key_bias"])
     v = _project(value, weights["value"], weights["value_bias"])
-    if qk_norm is not None:
+    if qk_norm is not None and not qk_norm_after_rope:
         scope, epsilon, query_scale, key_scale = qk_norm
         q = rms_norm(q, scope, epsilon, query_scale)
         k = rms_norm(k, scope, epsilon, key_scale)
     batch, t_len, num_heads, head = q.shape
     s_len, num_kv = k.shape[1], k.shape[2]
-    k = np.repeat(k, num_heads // num_kv, axis=2)  # head n reads n // G
-    v = np.repeat(v, num_heads // num_kv, axis=2)
     if rotary is not None:
         q = rotate(q, query_offset + np.arange(t_len), **rotary)
         k = rotate(k, np.arange(s_len), **rotary)
+    if qk_norm is not None and qk_norm_after_rope:
+        scope, epsilon, query_scale, key_scale = qk_norm
+        q = rms_norm(q, scope, epsilon, query_scale)
+        k = rms_norm(k, scope, epsilon, key_scale)
+    k = np.repeat(k, num_heads // num_kv, axis=2)  # head n reads n // G
+    v = np.repeat(v, num_heads // num_kv, axis=2)
     if query_temperature is not None:
         floor_scale, factor = query_temperature
         p = query_offset + np.arange(t_len)

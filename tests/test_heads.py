@@ -30,6 +30,10 @@ VARIANTS = {
     "l2_head": {"qk_norm": "l2"},
     "l2_projection": {"qk_norm": "l2", "qk_norm_scope": "projection"},
     "temperature": {"query_temperature": (4.0, 0.5)},
+    # Hunyuan: per-head norms after RoPE.
+    "rms_after_rope": {"qk_norm": "rms", "qk_norm_after_rope": True,
+                       "rotary_embedding": lambda: keras_mha.RotaryEmbedding(
+                           100)},
     # Llama 4's NoPE layer and Qwen3's RoPE layer in one: every step.
     "all": {"qk_norm": "rms", "query_temperature": (3.0, 0.25),
             "rotary_embedding": lambda: keras_mha.RotaryEmbedding(100)},
@@ -133,10 +137,14 @@ class TestWeights:
 
 class TestDecoding:  # the transforms precede the decode paths: one suffices
     @pytest.mark.parametrize("window", [None, (5, 0)], ids=["full", "rolling"])
-    def test_step_by_step_equals_full_pass(self, rng, window):
-        """The temperature reads each query's own position in the cache."""
+    @pytest.mark.parametrize("after_rope", [False, True],
+                             ids=["norm_then_rope", "rope_then_norm"])
+    def test_step_by_step_equals_full_pass(self, rng, window, after_rope):
+        """The temperature reads each query's own position in the cache;
+        a cache holds keys rotated, and normalized after when asked."""
         x = _x(rng)[:, :12]
-        layer = _layer(x, "all", window, qk_norm_scope="projection")
+        layer = _layer(x, "all", window, qk_norm_scope="projection",
+                       qk_norm_after_rope=after_rope)
         full = to_numpy(layer(x, x, use_causal_mask=True))
         cache = layer.init_cache(B, 12)
         outputs = []
@@ -209,6 +217,7 @@ class TestConfig:
         assert (config["qk_norm"], config["qk_norm_scope"],
                 config["qk_norm_epsilon"], config["query_temperature"]) == (
             "rms", "projection", 1e-5, (3.0, 0.25))
+        assert config["qk_norm_after_rope"] is False
         clone = keras_mha.MultiHeadAttention.from_config(config)
         assert clone.get_config() == config
         inputs = keras.Input((T, E))
@@ -259,3 +268,8 @@ class TestErrors:
     def test_constructor_values(self, kwargs, match):
         with pytest.raises(ValueError, match=match):
             keras_mha.MultiHeadAttention(num_heads=2, key_dim=4, **kwargs)
+
+    def test_after_rope_is_a_boolean(self):
+        with pytest.raises(TypeError, match="qk_norm_after_rope='yes'"):
+            keras_mha.MultiHeadAttention(num_heads=2, key_dim=4,
+                                         qk_norm_after_rope="yes")

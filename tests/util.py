@@ -26,6 +26,7 @@ OURS_ONLY = (
     "qk_norm_epsilon",
     "query_temperature",
     "attention_chunk_size",
+    "qk_norm_after_rope",
 )
 
 
@@ -107,6 +108,7 @@ def reference(layer, query, value, key=None, **kwargs):
             "qk_norm", (layer.qk_norm_scope, layer.qk_norm_epsilon, *scales)
         )
     kwargs.setdefault("query_temperature", layer.query_temperature)
+    kwargs.setdefault("qk_norm_after_rope", layer.qk_norm_after_rope)
     kwargs.setdefault("chunk_size", layer.attention_chunk_size)
     if layer.rotary_embedding is not None:
         kwargs.setdefault(

@@ -124,14 +124,15 @@ def query_temperature_pair(value):
 
 
 def head_features(qk_norm, qk_norm_scope, qk_norm_epsilon,
-                  query_temperature):
-    """The layer's `qk_norm`, `qk_norm_scope`, `qk_norm_epsilon` and
-    `query_temperature`, checked."""
+                  query_temperature, qk_norm_after_rope=False):
+    """The layer's `qk_norm`, `qk_norm_scope`, `qk_norm_epsilon`,
+    `query_temperature` and `qk_norm_after_rope`, checked."""
     return (
         choice("qk_norm", qk_norm, ("rms", "l2"), allow_none=True),
         choice("qk_norm_scope", qk_norm_scope, ("head", "projection")),
         positive_number("qk_norm_epsilon", qk_norm_epsilon),
         query_temperature_pair(query_temperature),
+        boolean("qk_norm_after_rope", qk_norm_after_rope),
     )
 
 
