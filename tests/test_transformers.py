@@ -387,17 +387,9 @@ class TestOutputs:
     def test_config_before_rope_parameters(self, case_id, rope_scaling):
         """`rope_theta` and `rope_scaling` attributes, as before 5.0."""
         captured = _run(case_id)[0]
-        module = captured.module
-        config = module.config
-        old = config.to_dict()
-        del old["rope_parameters"]
-        module.config = types.SimpleNamespace(
-            **old, rope_theta=THETA, rope_scaling=rope_scaling
-        )
-        try:
+        with _config_as(captured.module, drop=["rope_parameters"],
+                        rope_theta=THETA, rope_scaling=rope_scaling):
             output = _imported_output(captured)
-        finally:
-            module.config = config
         np.testing.assert_allclose(output, captured.output, atol=2e-5,
                                    rtol=1e-5)
 
