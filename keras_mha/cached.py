@@ -133,6 +133,7 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             k = layout.to_sequence(self._key_dense(key))  # (B', L, K, H)
             v = layout.to_sequence(self._value_dense(value))  # (B', L, K, V)
             k = heads_lib.keys(self, k, offset)
+            v = heads_lib.values(self, v)
         spec = describe_lib.describe(
             self,
             None,

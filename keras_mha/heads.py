@@ -4,10 +4,13 @@ attention.
 Token by token, the layers turn their projected queries `(B, T, N, H)` and
 keys `(B, S, K, H)` into what attention reads, in DESIGN's order:
 
-1. padding zeroed (a weight of 0 times a NaN in a padded token is NaN);
+1. padding zeroed (a weight of 0 times a NaN in a padded token is NaN),
+   then the clip of `qkv_clip` (DBRX);
 2. query/key normalization (`qk_norm`): RMS with a trainable scale
-   (`HeadNorm`: Qwen3, Gemma 3 per head; OLMo 2 over the projection), or
-   Llama 4's norm without weights;
+   (`HeadNorm`: Qwen3, Gemma 3 per head; OLMo 2 over the projection), a
+   LayerNorm with a scale and a bias (Persimmon), or Llama 4's norm
+   without weights; values normalized without weights (`value_norm`:
+   Gemma 4);
 3. the rotary embedding, queries at `offset + t`, keys at their positions;
 4. the query temperature (Llama 4's `attn_temperature_tuning`): the query
    at position `p` times `1 + scale·log(1 + floor((p + 1) / floor_scale))`.
@@ -26,20 +29,26 @@ _HALF_DTYPES = ("float16", "bfloat16")
 class HeadNorm(keras.layers.Layer):
     """RMS normalization of projected heads `(B, L, heads, H)` with a
     trainable `scale` (ones at first): `x / sqrt(mean(x²) + epsilon) ·
-    scale`, computed in float32 for half-precision inputs.
+    scale`; centered, `(x - mean(x)) / sqrt(var(x) + epsilon) · scale +
+    bias`, a LayerNorm, with `center=True`. Computed in float32 for
+    half-precision inputs.
 
     Args:
         scope: `"head"`: each head's `H` features, one `(H,)` scale shared
             by the heads; `"projection"`: all `heads·H` features of the
             token together, scale `(heads·H,)`.
         epsilon: added to the mean square.
+        center: whether to subtract the mean and add a trainable `bias`
+            (zeros at first) of the scale's shape.
         **kwargs: base layer arguments (`name`, `dtype`).
     """
 
-    def __init__(self, scope="head", epsilon=1e-6, **kwargs):
+    def __init__(self, scope="head", epsilon=1e-6, center=False, **kwargs):
         super().__init__(**kwargs)
         self.scope = scope
         self.epsilon = epsilon
+        self.center = center
+        self.bias = None
 
     def build(self, input_shape):
         heads, head_dim = input_shape[-2], input_shape[-1]
@@ -47,30 +56,39 @@ class HeadNorm(keras.layers.Layer):
         self.scale = self.add_weight(
             name="scale", shape=(size,), initializer="ones"
         )
+        if self.center:
+            self.bias = self.add_weight(
+                name="bias", shape=(size,), initializer="zeros"
+            )
 
     def call(self, x):
-        return normalize(x, self.scope, self.epsilon, self.scale)
+        return normalize(x, self.scope, self.epsilon, self.scale,
+                         center=self.center, bias=self.bias)
 
     def get_config(self):
         return {**super().get_config(), "scope": self.scope,
-                "epsilon": self.epsilon}
+                "epsilon": self.epsilon, "center": self.center}
 
 
-def normalize(x, scope, epsilon, scale=None):
+def normalize(x, scope, epsilon, scale=None, center=False, bias=None):
     """`x` `(B, L, heads, H)` divided by the root mean square of each head
     (`scope="head"`) or of each token's whole projection
-    (`"projection"`), times `scale` `(H,)` or `(heads·H,)` if given; in
-    float32 for half-precision `x`, returned in `x`'s dtype."""
+    (`"projection"`), times `scale` `(H,)` or `(heads·H,)` if given;
+    `center`: less its mean first, plus `bias` after. In float32 for
+    half-precision `x`, returned in `x`'s dtype."""
     dtype = ops.dtype(x)
     y = ops.cast(x, "float32") if dtype in _HALF_DTYPES else x
     axes = -1 if scope == "head" else (-2, -1)
+    if center:
+        y = y - ops.mean(y, axis=axes, keepdims=True)
     mean_square = ops.mean(ops.square(y), axis=axes, keepdims=True)
     y = y * ops.rsqrt(mean_square + ops.cast(epsilon, y.dtype))
-    if scale is not None:
-        scale = ops.cast(scale, y.dtype)
-        if scope == "projection":
-            scale = ops.reshape(scale, tuple(x.shape[-2:]))  # (heads, H)
-        y = y * scale
+    for weight, apply in ((scale, ops.multiply), (bias, ops.add)):
+        if weight is not None:
+            weight = ops.cast(weight, y.dtype)
+            if scope == "projection":
+                weight = ops.reshape(weight, tuple(x.shape[-2:]))  # (heads, H)
+            y = apply(y, weight)
     return ops.cast(y, dtype)
 
 
@@ -102,13 +120,14 @@ def zero_padding(x, tokens):
 
 def build_norms(layer):
     """The sublayers `query_norm` and `key_norm` of a layer with
-    `qk_norm="rms"` (after its other weights, so those line up with
-    Keras's); nothing for `"l2"` or `None`."""
-    if layer._qk_norm != "rms":
+    `qk_norm="rms"` or `"layer"` (after its other weights, so those line
+    up with Keras's); nothing for `"l2"` or `None`."""
+    if layer._qk_norm not in ("rms", "layer"):
         return
     for name, heads in (("query", layer._num_heads),
                         ("key", layer._num_key_value_heads)):
         norm = HeadNorm(layer._qk_norm_scope, layer._qk_norm_epsilon,
+                        center=layer._qk_norm == "layer",
                         name=f"{name}_norm", dtype=layer.dtype_policy)
         norm.build((None, None, heads, layer._key_dim))
         setattr(layer, f"_{name}_norm", norm)
@@ -118,7 +137,7 @@ def queries(layer, q, offset, tokens=None):
     """The layer's projected queries `(B, T, N, H)` at positions `offset +
     t`, ready for attention: padding zeroed, normalized, rotated, scaled
     by the temperature."""
-    q = _rotated_and_normalized(layer, "query", zero_padding(q, tokens),
+    q = _rotated_and_normalized(layer, "query", _clipped(layer, q, tokens),
                                 offset)
     if layer._query_temperature is not None:
         q = temperature(q, offset, *layer._query_temperature)
@@ -128,8 +147,24 @@ def queries(layer, q, offset, tokens=None):
 def keys(layer, k, offset, tokens=None):
     """The layer's projected keys `(B, S, K, H)` at positions `offset + j`:
     padding zeroed, normalized, rotated."""
-    return _rotated_and_normalized(layer, "key", zero_padding(k, tokens),
+    return _rotated_and_normalized(layer, "key", _clipped(layer, k, tokens),
                                    offset)
+
+
+def values(layer, v, tokens=None):
+    """The layer's projected values `(B, S, K, V)`: padding zeroed,
+    clipped, normalized (`value_norm`)."""
+    v = _clipped(layer, v, tokens)
+    if layer._value_norm:
+        v = normalize(v, "head", layer._qk_norm_epsilon)
+    return v
+
+
+def _clipped(layer, x, tokens):
+    x = zero_padding(x, tokens)
+    if layer._qkv_clip is None:
+        return x
+    return ops.clip(x, -layer._qkv_clip, layer._qkv_clip)
 
 
 def _rotated_and_normalized(layer, name, x, offset):
@@ -146,6 +181,6 @@ def _rotated_and_normalized(layer, name, x, offset):
 def _norm(layer, name, x):
     if layer._qk_norm is None:
         return x
-    if layer._qk_norm == "rms":
+    if layer._qk_norm in ("rms", "layer"):
         return getattr(layer, f"_{name}_norm")(x)
     return normalize(x, layer._qk_norm_scope, layer._qk_norm_epsilon)

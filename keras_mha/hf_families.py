@@ -28,11 +28,19 @@ class Family:
         rope_layers: which layers rotate: `None` (every layer whose forward
             takes `position_embeddings`), `"no_rope_layers"` (those where
             `config.no_rope_layers[i]` is true: SmolLM3, Llama 4) or
-            `"sliding"` (those with a sliding window: Cohere2, Exaone 4).
+            `"sliding"` (those with a sliding window: Cohere2, Exaone 4) or
+            `"every"` (every layer, the model passing its own sinusoidal
+            table: RoFormer).
         partial_rotary: whether the model rotates only
             `int(H · partial_rotary_factor)` features of each head.
         interleaved: whether the model rotates the pairs
             `(x_{2i}, x_{2i+1})` rather than `(x_i, x_{i+d/2})`.
+        reversed_rotation: whether the model turns each pair by `-θ`
+            (nanochat): the layer's rotation of the halves swapped, which
+            the importer reads by swapping each query and key head's
+            halves.
+        scale: the logit scale where the module keeps none (GPT-Neo's
+            1.0); `None`: the module's `scaling`, else `1 / sqrt(H)`.
         fused_layout: how a fused query-key-value projection orders its
             rows: `"contiguous"`, `"per_head"` or `"model_parallel"` (see
             `hf_structure._split_fused`).
@@ -40,7 +48,8 @@ class Family:
             head, `H` query rows then `H` gate rows (Qwen3-Next); else
             `None`.
         separate_gate: whether a `gate_proj`/`g_proj` is a sigmoid output
-            gate of the input, as the layer's `use_gate`.
+            gate of the input, as the layer's `use_gate`, one per feature
+            of the heads or one per head.
         temperature: whether the NoPE layers scale their queries by
             position when `config.attn_temperature_tuning` (Llama 4).
         norms_after_rope: whether the query/key norms come after the
@@ -56,6 +65,8 @@ class Family:
     rope_layers: str = None
     partial_rotary: bool = False
     interleaved: bool = False
+    reversed_rotation: bool = False
+    scale: float = None
     fused_layout: str = "contiguous"
     query_gate: str = None
     separate_gate: bool = False
@@ -85,6 +96,7 @@ _NORMS_AFTER_ROPE = Family(norms_after_rope=True)
 FAMILIES = {
     "afmoe": Family(separate_gate=True, rope_layers="sliding"),
     "bamba": _PARTIAL,
+    "beam": Family(separate_gate=True, rope_layers="sliding"),
     "bloom": _refused("the block's residual, added inside the attention "
                       "module"),
     "codegen": Family(interleaved=True, fused_layout="model_parallel"),
@@ -94,8 +106,7 @@ FAMILIES = {
     "deepseek_v2": _INTERLEAVED,
     "diffllama": _refused("differential attention (two softmaxes, "
                           "subtracted)"),
-    "ergo": _refused("a sliding-window mask that the layer's "
-                     "`sliding_window` does not reproduce"),
+    "ergo": Family(rope_layers="sliding", interleaved=True),
     "ernie4_5": _INTERLEAVED,
     "ernie4_5_moe": _INTERLEAVED,
     "exaone4": _ROPE_WHERE_SLIDING,
@@ -104,25 +115,26 @@ FAMILIES = {
     "glm": _PARTIAL_INTERLEAVED,
     "glm4": _PARTIAL_INTERLEAVED,
     "glm4_moe": _PARTIAL,
+    "gpt_neo": Family(window="attention_type", scale=1.0),
     "gpt_neox": Family(partial_rotary=True, fused_layout="per_head"),
-    "gpt_neox_japanese": _refused("an output bias returned apart from the "
-                                  "output"),
+    "gpt_neox_japanese": Family(partial_rotary=True, fused_layout="per_head"),
     "gptj": _INTERLEAVED,
     "helium": _INTERLEAVED,
     "hrm_text": _SEPARATE_GATE,
     "hunyuan_v1_dense": _NORMS_AFTER_ROPE,
     "hunyuan_v1_moe": _NORMS_AFTER_ROPE,
     "kolibri1": _ROPE_WHERE_SLIDING,
-    "laguna": _SEPARATE_GATE,
+    "laguna": _refused("an output gate through softplus (the layer's is a "
+                       "sigmoid)"),
     "lara_mini": Family(rope_layers="sliding"),
     "lfm3": _SEPARATE_GATE,
     "llama4_text": Family(rope_layers="no_rope_layers", interleaved=True,
                           temperature=True),
-    "mimo_v2_flash": _refused("value heads and key/value head counts that "
-                              "differ by layer type"),
+    "mimo_v2_flash": _PARTIAL,
+    "minicpm5_moe": Family(query_gate="per_head"),
     "mistral": Family(window="config"),
     "mpt": Family(alibi=True),
-    "nanochat": _refused("a rotary embedding that turns the other way"),
+    "nanochat": Family(reversed_rotation=True),
     "nemotron": _PARTIAL,
     "persimmon": Family(partial_rotary=True, fused_layout="per_head"),
     "phi": _PARTIAL,
@@ -131,11 +143,9 @@ FAMILIES = {
     "qwen3_5_text": _GATED_QUERY,
     "qwen3_next": _GATED_QUERY,
     "recurrent_gemma": _PARTIAL,
-    "roformer": _refused("sinusoidal rotary positions passed in by the "
-                         "model"),
+    "roformer": Family(rope_layers="every", interleaved=True),
     "smollm3": Family(rope_layers="no_rope_layers"),
     "stablelm": _PARTIAL,
-    "xlm": _refused("XLM's attention, causal only with `config.causal`"),
 }
 
 

@@ -13,6 +13,7 @@ norm, which is a torch module.
 """
 
 import dataclasses
+import inspect
 
 import numpy as np
 
@@ -51,7 +52,6 @@ KNOWN_UNSUPPORTED = {
     "attn_sub_norm": "a norm between attention and the output projection "
                      "(BitNet's sub-norm)",
     "indexer": "a lightning indexer that picks the top-k keys per query",
-    "v_norm": "a norm on the values",
     "o_norm": "a norm on the attention's output",
     "relative_position_bias": "a learned relative position bias",
     "rel_pos_h": "learned relative positions",
@@ -87,16 +87,19 @@ class Dense:
 
 @dataclasses.dataclass(frozen=True)
 class Norm:
-    """A query or key norm, as probed.
+    """A query, key or value norm, as probed.
 
     Attributes:
         scale: the scale it multiplies by (`w`, or `1 + w` for a norm that
             stores `w`), `(H,)` or `(heads·H,)`; `None` for a weightless one.
         epsilon: its epsilon.
+        bias: a LayerNorm's bias (it centers too), or `None` for an RMS
+            norm.
     """
 
     scale: np.ndarray
     epsilon: float
+    bias: np.ndarray = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,11 @@ class Structure:
         query_norm, key_norm: `Norm` or `None`.
         sinks: `(N,)` array or `None`.
         fused: the name of a fused query-key-value projection, or `None`.
+        value_norm: a weightless `Norm` of the values (Gemma 4), or
+            `None`.
+        logit_factor: what the module multiplies its logits by beyond
+            its `scaling`: the square of a `qk_scale` buffer that scales
+            both queries and keys (Ergo's global layers), else 1.
     """
 
     query: Dense
@@ -120,9 +128,11 @@ class Structure:
     key_norm: Norm = None
     sinks: np.ndarray = None
     fused: str = None
+    value_norm: Norm = None
+    logit_factor: float = 1.0
 
 
-def read(module, name, heads, family):
+def read(module, name, heads, family, values_are_keys=False):
     """The `Structure` of `module`.
 
     Args:
@@ -130,6 +140,9 @@ def read(module, name, heads, family):
         name: its class name, for messages.
         heads: `(N, K, H)` from its config.
         family: its `hf_families.Family`.
+        values_are_keys: whether the config says a module without a
+            `v_proj` takes its values from `k_proj` (Gemma 4's
+            `attention_k_eq_v`).
 
     Raises:
         ValueError: for a module whose projections are not found, whose
@@ -140,6 +153,20 @@ def read(module, name, heads, family):
     used = set()
     if "self" in children and "output" in children:
         return _bert(module, children, name, heads, family)
+    if list(children) == ["attention"]:  # GPT-Neo: the attention within
+        check_all_read(module, children, {"attention"}, name)
+        return read(children["attention"], name, heads, family,
+                    values_are_keys)
+    if getattr(module, "is_kv_shared_layer", False):
+        raise ValueError(
+            f"The {name}: keys and values read from an earlier layer's "
+            "(KV sharing) are not supported. Received: is_kv_shared_layer="
+            "True"
+        )
+    if values_are_keys and getattr(module, "v_proj", False) is None:
+        children["v_proj"] = children["k_proj"]  # the same projection
+    if "q_gate_proj" in children:  # MiniCPM5: queries and gates, per head
+        children["q_proj"] = children.pop("q_gate_proj")
     projections = _separate(children, used, name)
     fused = None
     if projections is None:
@@ -153,6 +180,15 @@ def read(module, name, heads, family):
             f"submodules {sorted(children)}"
         )
     query, key, value, output = projections
+    if isinstance(getattr(module, "dense_bias", None), _parameter_type()):
+        # GPT-NeoX-Japanese's last layer returns its output bias apart,
+        # and its block adds it to the output: the layer's output bias.
+        used.add("dense_bias")
+        output = Dense(output.weight, host.to_numpy(module.dense_bias))
+    v_scale = getattr(module, "v_scale", 1.0)  # MiMo-V2-Flash's values
+    if isinstance(v_scale, float) and v_scale != 1.0:
+        value = Dense(value.weight * v_scale,
+                      None if value.bias is None else value.bias * v_scale)
     gate = None
     num_heads, _, head_dim = heads
     if query.weight.shape[0] == 2 * num_heads * head_dim:
@@ -167,20 +203,87 @@ def read(module, name, heads, family):
                 )
             gate = _dense(children[gate_name], name, gate_name)
             used.add(gate_name)
-            if gate.weight.shape[0] != query.weight.shape[0]:
-                raise ValueError(
-                    f"The {name}'s output gate `{gate_name}` has "
-                    f"{gate.weight.shape[0]} outputs, and the layer's gate "
-                    f"has one per query feature ({query.weight.shape[0]}): "
-                    "a gate per head is not supported. Received: weight "
-                    f"shape {tuple(gate.weight.shape)}"
-                )
+            gate = _gate_per_feature(gate, name, gate_name, num_heads,
+                                     output.weight.shape[1])
+            bias = getattr(module, "gate_bias", None)
+            if isinstance(bias, _parameter_type()) and gate.bias is None:
+                # Beam: one bias per head, over its features.
+                used.add("gate_bias")
+                repeat = gate.weight.shape[0] // bias.shape[0]
+                gate = Dense(gate.weight,
+                             np.repeat(host.to_numpy(bias), repeat))
     norms = _norms(children, used, name)
+    value_norm = None
+    if "v_norm" in children:
+        used.add("v_norm")
+        value_norm = _probe(children["v_norm"], name, "v_norm")
+        if value_norm.scale is not None or value_norm.bias is not None:
+            raise ValueError(
+                f"The {name}'s `v_norm` has weights, and the layer's "
+                "`value_norm` has none. Received: parameters "
+                f"{[n for n, _ in children['v_norm'].named_parameters()]}"
+            )
     sinks = None
     if isinstance(getattr(module, "sinks", None), _parameter_type()):
         sinks = host.to_numpy(module.sinks)
+    logit_factor = 1.0
+    if "qk_scale" in dict(module.named_buffers(recurse=False)):
+        used.add("qk_scale")
+        logit_factor = float(host.to_numpy(module.qk_scale)) ** 2
     check_all_read(module, children, used | {"sinks"}, name)
-    return Structure(query, key, value, output, gate, *norms, sinks, fused)
+    return Structure(query, key, value, output, gate, *norms, sinks, fused,
+                     value_norm, logit_factor)
+
+
+def reordered(structure, order, heads):
+    """`structure` with each query and key head's features taken in
+    `order` `(H,)` (rows of the projections, their biases and the norms'
+    weights); the product of a query with a key is unchanged."""
+    num_heads, num_kv_heads, head_dim = heads
+
+    def rows(array, count):
+        if array is None:
+            return None
+        shaped = array.reshape(count, head_dim, *array.shape[1:])
+        return shaped[:, order].reshape(array.shape)
+
+    def dense(d, count):
+        return Dense(rows(d.weight, count), rows(d.bias, count))
+
+    def norm(n, count):
+        if n is None:
+            return None
+        count = 1 if n.scale is None or n.scale.shape[0] == head_dim else count
+        return dataclasses.replace(n, scale=rows(n.scale, count),
+                                   bias=rows(n.bias, count))
+
+    return dataclasses.replace(
+        structure,
+        query=dense(structure.query, num_heads),
+        key=dense(structure.key, num_kv_heads),
+        query_norm=norm(structure.query_norm, num_heads),
+        key_norm=norm(structure.key_norm, num_kv_heads),
+    )
+
+
+def _gate_per_feature(gate, name, attribute, num_heads, features):
+    """The gate's `Dense` with one output per head's feature (`N·V` of
+    them): a gate of one output per head (LFM3) gates each of its head's
+    features alike, so its rows repeat."""
+    rows = gate.weight.shape[0]
+    if rows == num_heads and features != num_heads:
+        repeat = features // num_heads
+        return Dense(np.repeat(gate.weight, repeat, axis=0),
+                     None if gate.bias is None
+                     else np.repeat(gate.bias, repeat))
+    if rows != features:
+        raise ValueError(
+            f"The {name}'s output gate `{attribute}` has {rows} outputs, "
+            f"neither one per head ({num_heads}) nor one per feature of "
+            f"the heads ({features}). Received: weight shape "
+            f"{tuple(gate.weight.shape)}"
+        )
+    return gate
 
 
 def _bert(module, children, name, heads, family):
@@ -353,30 +456,40 @@ def _epsilon(norm, owner, attribute):
 
 def _probe(norm, owner, attribute):
     """Runs the norm on a probe: it must be `x / sqrt(mean(x²) + eps)`
-    times `w`, `1 + w` or nothing."""
+    times `w`, `1 + w` or nothing, or a LayerNorm: `(x - mean) /
+    sqrt(var + eps) · w + b`."""
     import torch
 
     epsilon = _epsilon(norm, owner, attribute)
     weight = getattr(norm, "weight", None)
-    params = [p for n, p in norm.named_parameters() if n != "weight"]
+    params = sorted(n for n, _ in norm.named_parameters())
     width = 16 if weight is None else int(weight.shape[-1])
     probe = np.random.default_rng(0).normal(1.0, 1.0, (2, width))
     with torch.no_grad():
         got = host.to_numpy(norm(torch.as_tensor(probe, dtype=torch.float32)))
-    rms = probe / np.sqrt(np.mean(probe**2, -1, keepdims=True) + epsilon)
-    candidates = {None: np.ones(width)}
-    if weight is not None:
+
+    def normalized(x):
+        return x / np.sqrt(np.mean(x**2, -1, keepdims=True) + epsilon)
+
+    candidates = []  # (scale, bias, what the norm would return)
+    if not params:
+        candidates.append((None, None, normalized(probe)))
+    if params == ["weight"]:
         w = host.to_numpy(weight).astype(np.float64)
-        candidates = {0.0: w, 1.0: 1.0 + w}
-    for scale in candidates.values():
-        if not params and np.allclose(got, rms * scale, rtol=1e-4,
-                                      atol=1e-5):
-            return Norm(None if weight is None else scale.astype(np.float32),
-                        epsilon)
+        candidates += [(s, None, normalized(probe) * s) for s in (w, 1.0 + w)]
+    if params == ["bias", "weight"]:
+        w = host.to_numpy(weight).astype(np.float64)
+        b = host.to_numpy(norm.bias).astype(np.float64)
+        centered = probe - probe.mean(-1, keepdims=True)
+        candidates.append((w, b, normalized(centered) * w + b))
+    for scale, bias, want in candidates:
+        if np.allclose(got, want, rtol=1e-4, atol=1e-5):
+            as32 = lambda a: None if a is None else a.astype(np.float32)
+            return Norm(as32(scale), epsilon, as32(bias))
     raise ValueError(
-        f"The {owner}'s `{attribute}` ({type(norm).__name__}) is not an RMS "
-        "norm with a weight `w` or `1 + w`, the only query/key norm the "
-        "layer has. Received: parameters "
+        f"The {owner}'s `{attribute}` ({type(norm).__name__}) is neither an "
+        "RMS norm with a weight `w` or `1 + w` (or none) nor a LayerNorm, "
+        "the norms the layer has. Received: parameters "
         f"{[n for n, _ in norm.named_parameters()]}"
     )
 
@@ -399,3 +512,44 @@ def check_all_read(module, children, used, name):
         f"The {name}: {what} is not supported. Received: a module holding "
         f"{sorted(unread)}"
     )
+
+
+# What both importers (this layer's and the latent layer's) share.
+
+
+def forward_parameters(module):
+    """The parameters of the module's `forward`, by name."""
+    try:
+        return inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def default_dropout(layer_kwargs, config):
+    """The config's attention dropout, unless `dropout` is passed (a config
+    may have none: Ernie 4.5, Mllama)."""
+    if "dropout" not in layer_kwargs:
+        rate = getattr(config, "attention_dropout", None)
+        layer_kwargs["dropout"] = float(rate or 0.0)
+
+
+def check_fixed_kwargs(layer_kwargs, name, fixed):
+    """A `ValueError` for a layer argument passed with a value other than
+    the one the module fixes."""
+    for argument, value in fixed.items():
+        if argument not in layer_kwargs:
+            continue
+        given = layer_kwargs[argument]
+        if argument == "output_shape":
+            given = host.output_shape(given)
+        if argument == "rotary_embedding" or given != value:
+            shown = (
+                f"RotaryEmbedding(rope_type={value.rope_type!r}, "
+                f"max_wavelength={value.max_wavelength})"
+                if argument == "rotary_embedding"
+                else repr(value)
+            )
+            raise ValueError(
+                f"`{argument}` is fixed by the {name} module to {shown}. "
+                f"Received: {argument}={layer_kwargs[argument]!r}"
+            )

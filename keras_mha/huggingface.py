@@ -17,8 +17,6 @@ the config into the layer's `rotary_embedding` (`rope_parameters.py`) and
 `sliding_window`.
 """
 
-import inspect
-
 import numpy as np
 
 from keras_mha import hf_families
@@ -43,7 +41,7 @@ def from_transformers(module, config=None, **layer_kwargs):
     Any family whose attention the layer computes is read, from the module
     and its `config`, for the module's `layer_idx`; DeepSeek's multi-head
     latent attention (a module with `kv_a_proj_with_mqa`) gives a
-    `MultiHeadLatentAttention` instead (`_latent_from_transformers` says
+    `MultiHeadLatentAttention` instead (`hf_latent.from_transformers` says
     what is read). docs/importing.md lists every family of the pinned
     `transformers` with what it uses.
 
@@ -134,13 +132,23 @@ def from_transformers(module, config=None, **layer_kwargs):
             f"model_type={getattr(config, 'model_type', None)!r}"
         )
     if hasattr(module, "kv_a_proj_with_mqa"):
-        return _latent_from_transformers(module, name, family, config,
-                                         **layer_kwargs)
-    _check_no_clipping(module, name, config)
+        # Deferred: latent attention is not needed by the other families.
+        from keras_mha import hf_latent
+
+        return hf_latent.from_transformers(module, name, family, config,
+                                           **layer_kwargs)
     heads = _heads(module, config, name)
-    structure = hf_structure.read(module, name, heads, family)
+    structure = hf_structure.read(
+        module, name, heads, family,
+        values_are_keys=bool(getattr(config, "attention_k_eq_v", False)))
     num_heads, num_kv_heads, head_dim = heads
     value_dim = _check_shapes(structure, name, heads)
+    layer_type = _layer_type(module, config)
+    order = rope_parameters.proportional_order(config, head_dim, layer_type)
+    if family.reversed_rotation:  # see `hf_families.Family`
+        order = np.roll(np.arange(head_dim), head_dim // 2)
+    if order is not None:  # Gemma 4, LFM3 (see `proportional_order`)
+        structure = hf_structure.reordered(structure, order, heads)
     hidden_size = structure.query.weight.shape[1]
     projections = dict(query=structure.query, key=structure.key,
                        value=structure.value, output=structure.output)
@@ -148,8 +156,14 @@ def from_transformers(module, config=None, **layer_kwargs):
         projections["gate"] = structure.gate
     use_bias = any(d.bias is not None for d in projections.values())
     soft_cap = getattr(module, "attn_logit_softcapping", None)
-    _check_causal(module, name, config)
     uses_rope = _uses_rope(module, family, config)
+    if "attention_scaling" in hf_structure.forward_parameters(module) and (
+            not uses_rope):
+        raise ValueError(
+            f"The {name}: a query scale that grows with the position (the "
+            "scalable softmax of Beam's NoPE layers) is not supported. "
+            f"Received: layer_type={_layer_type(module, config)!r}"
+        )
     qk_norm, qk_norm_scope, qk_norm_epsilon = _qk_norm(structure, name, head_dim)
     query_temperature = None
     if (family.temperature and not uses_rope
@@ -163,10 +177,12 @@ def from_transformers(module, config=None, **layer_kwargs):
         rotary_dim = getattr(module, "rotary_dim", None)
         rotary_embedding = rope_parameters.rotary_embedding(
             config, rotary_dim if isinstance(rotary_dim, int) else head_dim,
-            name, _layer_type(module, config), family.partial_rotary,
+            name, layer_type, family.partial_rotary,
             interleaved=family.interleaved,
         )
-    scale = getattr(module, "scaling", None)
+    scale = getattr(module, "scaling", family.scale)
+    window = _sliding_window(module, name, family, config)
+    _check_window_both_ways(module, name, config, window)
     fixed = dict(
         num_heads=num_heads,
         key_dim=head_dim,
@@ -176,22 +192,25 @@ def from_transformers(module, config=None, **layer_kwargs):
         use_gate=structure.gate is not None,
         output_shape=None,
         rotary_embedding=rotary_embedding,
-        scale=float(head_dim**-0.5 if scale is None else scale),
+        scale=float(head_dim**-0.5 if scale is None else scale)
+        * structure.logit_factor,
         attn_logits_soft_cap=None if soft_cap is None else float(soft_cap),
         use_sinks=structure.sinks is not None,
         use_alibi=_uses_alibi(module, name, family),
-        sliding_window=_sliding_window(module, name, family, config),
+        sliding_window=window,
         qk_norm=qk_norm,
         qk_norm_scope=qk_norm_scope,
         qk_norm_epsilon=qk_norm_epsilon,
         attention_chunk_size=_attention_chunk_size(module, config),
         query_temperature=query_temperature,
         qk_norm_after_rope=qk_norm is not None and family.norms_after_rope,
+        value_norm=structure.value_norm is not None,
+        qkv_clip=_qkv_clip(module, config),
     )
     if host.output_shape(layer_kwargs.get("output_shape")) == (hidden_size,):
         del layer_kwargs["output_shape"]  # the default: the input's size
-    _check_fixed_kwargs(layer_kwargs, name, fixed)
-    _default_dropout(layer_kwargs, config)
+    hf_structure.check_fixed_kwargs(layer_kwargs, name, fixed)
+    hf_structure.default_dropout(layer_kwargs, config)
     layer = MultiHeadAttention(**{**layer_kwargs, **fixed})
     layer.build((None, None, hidden_size), (None, None, hidden_size))
 
@@ -227,9 +246,12 @@ def from_transformers(module, config=None, **layer_kwargs):
     )  # (N, V, E), (E,)
     if structure.sinks is not None:
         layer.sinks.assign(structure.sinks)  # (N,)
-    if qk_norm == "rms":
-        layer.query_norm.scale.assign(structure.query_norm.scale)
-        layer.key_norm.scale.assign(structure.key_norm.scale)
+    for norm, read in ((layer.query_norm, structure.query_norm),
+                       (layer.key_norm, structure.key_norm)):
+        if norm is not None:  # "rms" or "layer"
+            norm.scale.assign(read.scale)
+            if read.bias is not None:
+                norm.bias.assign(read.bias)
     return layer
 
 
@@ -290,37 +312,32 @@ def _check_shapes(structure, name, heads):
     return value_dim
 
 
-def _check_no_clipping(module, name, config):
-    """DBRX and MPT may clamp the projected queries, keys and values
-    (`clip_qkv`); the layer does not."""
+def _qkv_clip(module, config):
+    """DBRX's and MPT's `clip_qkv`: the bound of the projected queries,
+    keys and values, or `None`."""
     clip = getattr(module, "clip_qkv", None)
     for owner in (config, getattr(config, "attn_config", None)):
         if clip is None and owner is not None:
             clip = getattr(owner, "clip_qkv", None)
-    if clip is not None:
-        raise ValueError(
-            f"The {name}: clamping the projected queries, keys and values "
-            f"is not supported. Received: clip_qkv={clip!r}"
-        )
+    return None if clip is None else float(clip)
 
 
-def _default_dropout(layer_kwargs, config):
-    """The config's attention dropout, unless `dropout` is passed (a config
-    may have none: Ernie 4.5, Mllama)."""
-    if "dropout" not in layer_kwargs:
-        rate = getattr(config, "attention_dropout", None)
-        layer_kwargs["dropout"] = float(rate or 0.0)
-
-
-def _check_causal(module, name, config):
-    """The layer is called causal; a module that is not (Gemma 3 with
-    `use_bidirectional_attention`) has a model that masks otherwise."""
+def _check_window_both_ways(module, name, config, window):
+    """A module that attends both ways (`is_causal=False`: an encoder's, a
+    cross-attention, XLM's without `config.causal`) imports as it is, and
+    its caller leaves `use_causal_mask` off; with a sliding window (Gemma 3
+    with `use_bidirectional_attention`) its model's mask is one the
+    layer's window does not give."""
     inner = getattr(module, "self", module)  # a BERT-style block
-    if not getattr(module, "is_causal", getattr(inner, "is_causal", True)):
+    causal = getattr(module, "is_causal", getattr(inner, "is_causal", None))
+    if causal is None:
+        causal = getattr(config, "causal", True)
+    if window is not None and not causal:
         raise ValueError(
-            f"The {name} attends both ways (`is_causal=False`), and "
-            "`from_torch` imports causal attention only. Received: "
-            "use_bidirectional_attention="
+            f"The {name} attends both ways (`is_causal=False`) within a "
+            "sliding window, and the layer's window of a call without "
+            "`use_causal_mask` is another. Received: "
+            f"sliding_window={window}, use_bidirectional_attention="
             f"{getattr(config, 'use_bidirectional_attention', None)!r}"
         )
 
@@ -329,25 +346,29 @@ def _qk_norm(structure, name, head_dim):
     """`(qk_norm, qk_norm_scope, qk_norm_epsilon)` of the module's layer.
 
     Every norm read is `x / sqrt(mean(x²) + eps)` over a head (or the whole
-    projection) times its scale; transformers normalizes before RoPE
-    except Llama 4, whose weightless norm comes after it: a rotation keeps
-    the mean square, so the order does not matter there.
+    projection) times its scale, or a LayerNorm (Persimmon); transformers
+    normalizes before RoPE except Llama 4, whose weightless norm comes
+    after it: a rotation keeps the mean square, so the order does not
+    matter there. A value norm (Gemma 4) shares the epsilon.
     """
-    query, key = structure.query_norm, structure.key_norm
-    if query is None:
-        return None, "head", 1e-6
-    if query.epsilon != key.epsilon or (query.scale is None) != (
-            key.scale is None):
+    query, key, value = (structure.query_norm, structure.key_norm,
+                         structure.value_norm)
+    epsilons = {n.epsilon for n in (query, key, value) if n is not None}
+    if len(epsilons) > 1 or (query is None) != (key is None) or (
+            query is not None and ((query.scale is None) != (key.scale is None)
+                                   or (query.bias is None) != (key.bias is None))):
         raise ValueError(
-            f"The {name}'s query and key norms differ (epsilon or weights), "
-            "and the layer has one `qk_norm` and one `qk_norm_epsilon`. "
-            f"Received: query norm epsilon={query.epsilon}, key norm "
-            f"epsilon={key.epsilon}"
+            f"The {name}'s query, key and value norms differ (epsilon or "
+            "weights), and the layer has one `qk_norm` and one "
+            f"`qk_norm_epsilon`. Received: epsilons {sorted(epsilons)}"
         )
+    epsilon = epsilons.pop() if epsilons else 1e-6
+    if query is None:
+        return None, "head", epsilon
     if query.scale is None:
-        return "l2", "head", query.epsilon
+        return "l2", "head", epsilon
     scope = "head" if query.scale.shape[0] == head_dim else "projection"
-    return "rms", scope, query.epsilon
+    return "rms" if query.bias is None else "layer", scope, epsilon
 
 
 def _attention_chunk_size(module, config):
@@ -362,6 +383,8 @@ def _uses_rope(module, family, config):
     if family.rope_layers == "no_rope_layers":
         # A true entry means the layer *has* rope, as in the modules.
         return bool(config.no_rope_layers[module.layer_idx])
+    if family.rope_layers == "every":
+        return True
     if family.rope_layers == "sliding":
         return _sliding_window(module, type(module).__qualname__,
                                family, config) is not None
@@ -370,7 +393,7 @@ def _uses_rope(module, family, config):
     if getattr(config, "position_embedding_type", "rope") not in ("rope",):
         return False
     # RecurrentGemma's module holds its rotary embedding and applies it.
-    return ("position_embeddings" in _forward_parameters(module)
+    return ("position_embeddings" in hf_structure.forward_parameters(module)
             or hasattr(module, "rotary_emb"))
 
 
@@ -380,20 +403,13 @@ def _uses_alibi(module, name, family):
     refused, since its slopes are the family's code."""
     if family.alibi:
         return True
-    if "alibi" in _forward_parameters(module):
+    if "alibi" in hf_structure.forward_parameters(module):
         raise ValueError(
             f"The {name}'s forward takes ALiBi biases whose slopes "
             "`from_torch` does not know for its family. Received: "
             f"model_type={getattr(module, 'config', None) and module.config.model_type!r}"
         )
     return False
-
-
-def _forward_parameters(module):
-    try:
-        return inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return {}
 
 
 def _layer_type(module, config):
@@ -409,6 +425,9 @@ def _sliding_window(module, name, family, config):
     """`W` (our causal `sliding_window`) of the module's layer, or `None`."""
     if family.window is None:
         return None
+    if family.window == "attention_type":
+        local = getattr(module, "attention_type", None) == "local"
+        return int(config.window_size) if local else None
     window = getattr(config, "sliding_window", None)
     if getattr(config, "use_sliding_window", True) is False:
         window = None
@@ -436,125 +455,3 @@ def _sliding_window(module, name, family, config):
                 f"config.sliding_window={config.sliding_window!r}"
             )
     return None if window is None else int(window)
-
-
-def _check_fixed_kwargs(layer_kwargs, name, fixed):
-    for argument, value in fixed.items():
-        if argument not in layer_kwargs:
-            continue
-        given = layer_kwargs[argument]
-        if argument == "output_shape":
-            given = host.output_shape(given)
-        if argument == "rotary_embedding" or given != value:
-            shown = (
-                f"RotaryEmbedding(rope_type={value.rope_type!r}, "
-                f"max_wavelength={value.max_wavelength})"
-                if argument == "rotary_embedding"
-                else repr(value)
-            )
-            raise ValueError(
-                f"`{argument}` is fixed by the {name} module to {shown}. "
-                f"Received: {argument}={layer_kwargs[argument]!r}"
-            )
-
-
-def _latent_from_transformers(module, name, family, config,
-                              **layer_kwargs):
-    """`DeepseekV3Attention` -> `MultiHeadLatentAttention` (see
-    `from_transformers`).
-
-    Read: the heads and sizes (`num_attention_heads`, `q_lora_rank`, which
-    is `None` for DeepSeek V2-Lite's direct query, `kv_lora_rank`,
-    `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`), the weights of
-    `q_proj` (or `q_a_proj`, `q_a_layernorm`, `q_b_proj`),
-    `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj` and `o_proj`, the
-    norms' epsilon, `module.scaling` (with YaRN's `mscale_all_dim`
-    squared in it) as `scale`, the rope parameters for `qk_rope_head_dim`
-    features (YaRN's `mscale` and `mscale_all_dim` as its
-    `attention_factor`), and `rope_interleave` as `interleaved=True`: the
-    module turns the pairs `(2i, 2i + 1)` and lays the result out as two
-    halves, the same rotation in another order, which a query's product
-    with a key does not see. With `attention_bias`, the projections of the
-    input and the output have biases (zeros where the module has none: its
-    `q_proj`).
-    """
-    # Deferred: `keras_mha.latent` is not needed by the other families.
-    from keras_mha.latent import MultiHeadLatentAttention
-
-    if "position_embeddings" not in _forward_parameters(module):
-        raise ValueError(
-            f"The {name}: latent attention without a rotary embedding "
-            "(NoPE) is not supported. Received: a forward without "
-            "`position_embeddings`"
-        )
-    hf_structure.check_all_read(module, dict(module.named_children()), {
-        "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj",
-        "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj",
-    }, name)
-    num_heads = int(config.num_attention_heads)
-    hidden_size = int(config.hidden_size)
-    q_rank = module.q_lora_rank
-    q_rank = None if q_rank is None else int(q_rank)
-    rank = int(module.kv_lora_rank)
-    nope, rope = int(module.qk_nope_head_dim), int(module.qk_rope_head_dim)
-    v_dim = int(module.v_head_dim)
-    use_bias = bool(getattr(config, "attention_bias", False))
-    rotary = rope_parameters.rotary_embedding(
-        config, rope, name,
-        interleaved=family.interleaved
-        or bool(getattr(config, "rope_interleave", False)),
-    )
-    fixed = dict(
-        num_heads=num_heads,
-        kv_lora_rank=rank,
-        qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope,
-        v_head_dim=v_dim,
-        q_lora_rank=q_rank,
-        rotary_embedding=rotary,
-        scale=float(module.scaling),
-        use_bias=use_bias,
-        norm_epsilon=float(module.kv_a_layernorm.variance_epsilon),
-        sliding_window=None,
-    )
-    _check_fixed_kwargs(layer_kwargs, name, fixed)
-    _default_dropout(layer_kwargs, config)
-    layer = MultiHeadLatentAttention(**{**layer_kwargs, **fixed})
-    shape = (None, None, hidden_size)
-    layer.build(shape, shape)
-
-    def weights(dense, kernel_shape, bias_shape=None):
-        # torch: y = x @ W.T + b.
-        kernel = host.to_numpy(dense.weight).T.reshape(kernel_shape)
-        if bias_shape is None or not use_bias:
-            return [kernel]
-        if dense.bias is None:
-            return [kernel, np.zeros(bias_shape, kernel.dtype)]
-        return [kernel, host.to_numpy(dense.bias).reshape(bias_shape)]
-
-    query_heads = (num_heads, nope + rope)
-    if q_rank is None:
-        layer._query_dense.set_weights(
-            weights(module.q_proj, (hidden_size, *query_heads), query_heads)
-        )  # (E, N, Hn + P)
-    else:
-        layer._query_a.set_weights(
-            weights(module.q_a_proj, (hidden_size, q_rank), (q_rank,))
-        )  # (E, Rq)
-        layer._query_norm.set_weights(
-            [host.to_numpy(module.q_a_layernorm.weight)]
-        )
-        layer._query_b.set_weights(
-            weights(module.q_b_proj, (q_rank, *query_heads))
-        )  # (Rq, N, Hn + P)
-    layer._kv_a.set_weights(weights(
-        module.kv_a_proj_with_mqa, (hidden_size, rank + rope), (rank + rope,)
-    ))  # (E, R + P)
-    layer._kv_norm.set_weights([host.to_numpy(module.kv_a_layernorm.weight)])
-    layer._kv_b.set_weights(
-        weights(module.kv_b_proj, (rank, num_heads, nope + v_dim))
-    )  # (R, N, Hn + V)
-    layer._output_dense.set_weights(weights(
-        module.o_proj, (num_heads, v_dim, hidden_size), (hidden_size,)
-    ))  # (N, V, E)
-    return layer

@@ -93,16 +93,22 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
             position `p` only if `j // C == p // C` (Llama 4's chunked
             layers), with every other mask; a cache is then a rolling one
             of `C` slots (or the window's, if fewer). One attention axis.
-        qk_norm: `None`, `"rms"` or `"l2"`: queries and keys (after the
-            projections' biases, before RoPE) become `x / sqrt(mean(x²) +
-            qk_norm_epsilon)`, with `"rms"` times the `scale` of the
-            sublayers `query_norm` and `key_norm` (Qwen3, Gemma 3, OLMo 2);
-            `"l2"` has no weights (Llama 4).
+        qk_norm: `None`, `"rms"`, `"layer"` or `"l2"`: queries and keys
+            (after the projections' biases, before RoPE) become `x /
+            sqrt(mean(x²) + qk_norm_epsilon)`, with `"rms"` times the
+            `scale` of the sublayers `query_norm` and `key_norm` (Qwen3,
+            Gemma 3, OLMo 2); `"layer"` is a LayerNorm, centered, with a
+            `scale` and a `bias` (Persimmon); `"l2"` has no weights
+            (Llama 4).
         qk_norm_after_rope: the norms come after RoPE instead (Hunyuan).
         qk_norm_scope: `"head"`: each head's `H` features, one `(H,)`
             scale; `"projection"`: a token's heads together, scales
             `(N·H,)` and `(K·H,)` (OLMo 2).
         qk_norm_epsilon: added to the mean square.
+        value_norm: values become `v / sqrt(mean(v²) + qk_norm_epsilon)`
+            per head, without weights (Gemma 4).
+        qkv_clip: `None` or `c > 0`: the projected queries, keys and
+            values are clipped to `[-c, c]` (DBRX's `clip_qkv`).
         query_temperature: `None` or `(floor_scale, scale)`: the query at
             position `p` (after RoPE) times `1 + scale·log(1 + floor((p +
             1) / floor_scale))` (Llama 4); `p = cache_update_index + t`.
@@ -182,20 +188,15 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         qk_norm_epsilon=1e-6,
         query_temperature=None,
         qk_norm_after_rope=False,
+        value_norm=False,
+        qkv_clip=None,
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
         key_dim = checks.positive_int("key_dim", key_dim)
         value_dim = checks.positive_int("value_dim", value_dim, allow_none=True)
-        num_key_value_heads = checks.positive_int(
-            "num_key_value_heads", num_key_value_heads, allow_none=True
-        )
-        if num_key_value_heads is not None and num_heads % num_key_value_heads:
-            raise ValueError(
-                "`num_key_value_heads` must divide `num_heads`. Received: "
-                f"num_heads={num_heads}, "
-                f"num_key_value_heads={num_key_value_heads}"
-            )
+        num_key_value_heads = checks.key_value_heads(num_key_value_heads,
+                                                     num_heads)
         dropout = checks.dropout_rate(dropout)
         sliding_window = checks.sliding_window(sliding_window)
         attention_chunk_size = checks.positive_int(
@@ -210,7 +211,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         rotary_embedding = checks.rotary_embedding(rotary_embedding)
         head_features = checks.head_features(
             qk_norm, qk_norm_scope, qk_norm_epsilon, query_temperature,
-            qk_norm_after_rope)
+            qk_norm_after_rope, value_norm, qkv_clip)
         flash_attention = checks.flash_attention(flash_attention, dropout)
         super().__init__(**kwargs)
         self.supports_masking = True
@@ -247,7 +248,8 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         self._use_alibi = use_alibi
         self._rotary_embedding = rotary_embedding
         (self._qk_norm, self._qk_norm_scope, self._qk_norm_epsilon,
-         self._query_temperature, self._qk_norm_after_rope) = head_features
+         self._query_temperature, self._qk_norm_after_rope, self._value_norm,
+         self._qkv_clip) = head_features
         self._query_norm = self._key_norm = None  # `HeadNorm`s, built
 
     # Read-only as in Keras; not `output_shape` (`Functional.summary()`).
@@ -270,9 +272,11 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
     qk_norm_scope = _read_only("_qk_norm_scope")
     qk_norm_epsilon = _read_only("_qk_norm_epsilon")
     qk_norm_after_rope = _read_only("_qk_norm_after_rope")
+    value_norm = _read_only("_value_norm")
+    qkv_clip = _read_only("_qkv_clip")
     query_temperature = _read_only("_query_temperature")
-    query_norm = _read_only("_query_norm", "`qk_norm='rms'`: a `HeadNorm`.")
-    key_norm = _read_only("_key_norm", "`qk_norm='rms'`: a `HeadNorm`.")
+    query_norm = _read_only("_query_norm", "`qk_norm='rms'` or `'layer'`.")
+    key_norm = _read_only("_key_norm", "`qk_norm='rms'` or `'layer'`.")
     query_dense = _read_only("_query_dense")
     key_dense = _read_only("_key_dense")
     value_dense = _read_only("_value_dense")
@@ -289,6 +293,9 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
             "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
             "use_gate", "output_shape", "attention_axes", "sliding_window",
             "flash_attention", "num_key_value_heads", "attention_chunk_size",
+            "use_sinks", "use_alibi", "qk_norm", "qk_norm_scope",
+            "qk_norm_epsilon", "query_temperature", "qk_norm_after_rope",
+            "value_norm", "qkv_clip",
         )
         config = {name: getattr(self, f"_{name}") for name in names}
         for kind, module in (
@@ -308,13 +315,6 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
             else keras.saving.serialize_keras_object(self._rotary_embedding),
             scale=self._given_scale,
             attn_logits_soft_cap=self._soft_cap,
-            use_sinks=self._use_sinks,
-            use_alibi=self._use_alibi,
-            qk_norm=self._qk_norm,
-            qk_norm_scope=self._qk_norm_scope,
-            qk_norm_epsilon=self._qk_norm_epsilon,
-            query_temperature=self._query_temperature,
-            qk_norm_after_rope=self._qk_norm_after_rope,
         )
         return {**super().get_config(), **config}
 
@@ -421,7 +421,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         start = 0 if cache is None else cache_update_index
         q = heads_lib.queries(self, q, start, query_tokens)
         k = heads_lib.keys(self, k, start, key_tokens)
-        v = heads_lib.zero_padding(v, key_tokens)
+        v = heads_lib.values(self, v, key_tokens)
 
         spec = describe_lib.describe(
             self,

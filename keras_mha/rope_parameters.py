@@ -12,6 +12,8 @@ that names it. Nothing here imports `transformers`.
 
 import math
 
+import numpy as np
+
 from keras_mha.rope_scaling import ROPE_TYPES
 from keras_mha.rotary import RotaryEmbedding
 
@@ -88,6 +90,8 @@ def rotary_embedding(config, head_dim, owner, layer_type=None,
     """
     params = rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
+    if rope_type == "proportional" and not interleaved:
+        return _proportional(params, head_dim)
     if rope_type not in ROPE_TYPES:
         raise ValueError(
             f"The {owner}'s rope type has no counterpart in "
@@ -114,6 +118,47 @@ def rotary_embedding(config, head_dim, owner, layer_type=None,
         **_READERS[rope_type](params, config),
     )
     return RotaryEmbedding(**kwargs)
+
+
+def proportional_order(config, head_dim, layer_type=None):
+    """The order of a head's features in which a "proportional" rotary
+    embedding (Gemma 4, LFM3) is `_proportional`'s; `None` for any other
+    rope type.
+
+    transformers' proportional RoPE turns the pairs `(x_i, x_{i + H/2})`
+    for `i < a = int(partial_rotary_factor · H / 2)` at the frequencies
+    `theta^(-2i/H)`, and leaves the other pairs. With the rotated pairs'
+    features moved to the front, `[0, a) ∪ [H/2, H/2 + a)` then the rest,
+    that is the layer's rotation of the first `2a` features, pairs `(j, j
+    + a)`, at `theta'^(-2j/2a)`, `theta' = theta^(2a/H)`. A query's product
+    with a key is the same whatever order both take, so the importer
+    reorders the query and key projections' rows by this order.
+    """
+    params = rope_parameters(config, layer_type)
+    if params["rope_type"] != "proportional":
+        return None
+    half, rotated = head_dim // 2, _rotated_pairs(params, head_dim)
+    return np.concatenate([
+        np.arange(rotated), half + np.arange(rotated),
+        np.arange(rotated, half), half + np.arange(rotated, half),
+    ])
+
+
+def _rotated_pairs(params, head_dim):
+    return int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+
+
+def _proportional(params, head_dim):
+    """The layer's rotation of the features reordered by
+    `proportional_order`; `None` where no pair turns."""
+    rotated = _rotated_pairs(params, head_dim)
+    if rotated == 0:
+        return None
+    return RotaryEmbedding(
+        max_wavelength=params["rope_theta"] ** (2 * rotated / head_dim),
+        rotary_dim=2 * rotated,
+        scaling_factor=params.get("factor", 1.0),
+    )
 
 
 def _default(params, config):

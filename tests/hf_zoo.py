@@ -29,6 +29,12 @@ DECODER = dict(is_decoder=True)
 OVERRIDES = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]],
                     window_size=4),
+    # Rotates int(0.334 · H) features, an even number at H = 24.
+    "mimo_v2_flash": dict(head_dim=24),
+    # Ergo's global layers scale their queries and keys.
+    "ergo": dict(global_attention_scale=2.0),
+    # XLM's causal LM is causal only so configured.
+    "xlm": dict(causal=True),
     "kolibri1_1": dict(index_num_heads=2),
     "cohere_compass_text": dict(rope_parameters={
         "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -38,7 +44,7 @@ OVERRIDES = {
     "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "dbrx": dict(attn_config={"rope_theta": 10000.0, "kv_n_heads": 2,
-                              "clip_qkv": 8.0}),
+                              "clip_qkv": 2.0}),  # binds
     "deepseek_v2": dict(num_experts_per_tok=2, moe_intermediate_size=32),
     "plbart": dict(decoder_attention_heads=4, encoder_attention_heads=4),
     "whisper": dict(decoder_attention_heads=4, encoder_attention_heads=4),
@@ -165,6 +171,10 @@ def run(model_type, seed=0):
             return
         hidden = args[0] if args else kwargs.get("hidden_states")
         first = output[0] if isinstance(output, (tuple, list)) else output
+        if getattr(module, "dense_bias", None) is not None:
+            # GPT-NeoX-Japanese returns its output bias apart, and its
+            # block adds it: the module's contribution is both.
+            first = first + output[-1]
         if not (torch.is_tensor(hidden) and torch.is_tensor(first)):
             return
         calls[module] = Call(module, model.config, hidden.detach().float().numpy().copy(),

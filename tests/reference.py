@@ -62,15 +62,20 @@ def alibi_slopes(num_heads):
     return np.array(power_of_two(closest) + list(extra))
 
 
-def rms_norm(x, scope, epsilon, scale=None):
+def rms_norm(x, scope, epsilon, scale=None, bias=None):
     """`x` `(B, L, heads, H)` over the root mean square of each head's `H`
     features (`scope="head"`) or of each token's `heads·H`
-    (`"projection"`), times `scale` (`(H,)` or `(heads·H,)`) if given."""
+    (`"projection"`), times `scale` (`(H,)` or `(heads·H,)`) if given.
+    With a `bias`, a LayerNorm: `x` less its mean first, plus `bias`."""
     batch, length, heads, head = x.shape
     flat = x if scope == "head" else x.reshape(batch, length, 1, heads * head)
+    if bias is not None:
+        flat = flat - flat.mean(-1, keepdims=True)
     out = flat / np.sqrt((flat**2).mean(-1, keepdims=True) + epsilon)
     if scale is not None:
         out = out * np.asarray(scale, "float64")
+    if bias is not None:
+        out = out + np.asarray(bias, "float64")
     return out.reshape(x.shape)
 
 
@@ -128,6 +133,8 @@ def reference_attention(
     query_temperature=None,
     chunk_size=None,
     qk_norm_after_rope=False,
+    value_norm=None,
+    qkv_clip=None,
 ):
     """Returns `(output, weights)` for rank-3 inputs, in float64.
 
@@ -139,6 +146,10 @@ def reference_attention(
     epsilon, query_scale, key_scale)` (scales `None` without weights);
     `query_temperature` `None` or `(floor_scale, scale)`; `chunk_size`
     `None` or `C`; `qk_norm_after_rope` puts the norms after the rotation.
+    `qk_norm` may end with `(query_bias, key_bias)`: LayerNorms.
+    `value_norm` is `None` or the epsilon of the values' weightless RMS
+    norm per head; `qkv_clip` `None` or `c`, the projections clipped to
+    `[-c, c]`.
     """
     f64 = lambda x: None if x is None else np.asarray(x, dtype="float64")
     query, value = f64(query), f64(value)
@@ -146,19 +157,24 @@ def reference_attention(
     q = _project(query, weights["query"], weights["query_bias"])
     k = _project(key, weights["key"], weights["key_bias"])
     v = _project(value, weights["value"], weights["value_bias"])
+    if qkv_clip is not None:
+        q, k, v = (np.clip(x, -qkv_clip, qkv_clip) for x in (q, k, v))
+    if value_norm is not None:
+        v = rms_norm(v, "head", value_norm)
+    if qk_norm is not None:
+        scope, epsilon, query_scale, key_scale, *biases = qk_norm
+        query_bias, key_bias = biases or (None, None)
     if qk_norm is not None and not qk_norm_after_rope:
-        scope, epsilon, query_scale, key_scale = qk_norm
-        q = rms_norm(q, scope, epsilon, query_scale)
-        k = rms_norm(k, scope, epsilon, key_scale)
+        q = rms_norm(q, scope, epsilon, query_scale, query_bias)
+        k = rms_norm(k, scope, epsilon, key_scale, key_bias)
     batch, t_len, num_heads, head = q.shape
     s_len, num_kv = k.shape[1], k.shape[2]
     if rotary is not None:
         q = rotate(q, query_offset + np.arange(t_len), **rotary)
         k = rotate(k, np.arange(s_len), **rotary)
     if qk_norm is not None and qk_norm_after_rope:
-        scope, epsilon, query_scale, key_scale = qk_norm
-        q = rms_norm(q, scope, epsilon, query_scale)
-        k = rms_norm(k, scope, epsilon, key_scale)
+        q = rms_norm(q, scope, epsilon, query_scale, query_bias)
+        k = rms_norm(k, scope, epsilon, key_scale, key_bias)
     k = np.repeat(k, num_heads // num_kv, axis=2)  # head n reads n // G
     v = np.repeat(v, num_heads // num_kv, axis=2)
     if query_temperature is not None:

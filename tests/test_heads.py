@@ -1,6 +1,6 @@
 """The per-token head features of real checkpoints: query/key norms
-(`qk_norm`, both scopes, RMS with weights and without) and the query
-temperature, against the float64 reference (`reference.py`), in the cache,
+(`qk_norm`, both scopes, RMS with weights and without, LayerNorm), the
+values' norm, the clip of the projections and the query temperature, against the float64 reference (`reference.py`), in the cache,
 in the config and in the weights.
 
 One input shape for the whole module, `test_features.py`'s (JAX compiles
@@ -18,6 +18,7 @@ from util import reference
 from util import to_numpy
 
 import keras_mha
+from keras_mha import heads as heads_lib
 from keras_mha.attention import dispatch
 from keras_mha.attention import tuning
 
@@ -29,13 +30,19 @@ VARIANTS = {
                        "qk_norm_epsilon": 1e-5},
     "l2_head": {"qk_norm": "l2"},
     "l2_projection": {"qk_norm": "l2", "qk_norm_scope": "projection"},
+    "layer_head": {"qk_norm": "layer"},
+    "layer_projection": {"qk_norm": "layer", "qk_norm_scope": "projection"},
+    "value_norm": {"value_norm": True, "qk_norm_epsilon": 1e-2},
+    "clip": {"qkv_clip": 1.5},
     "temperature": {"query_temperature": (4.0, 0.5)},
     # Hunyuan: per-head norms after RoPE.
     "rms_after_rope": {"qk_norm": "rms", "qk_norm_after_rope": True,
                        "rotary_embedding": lambda: keras_mha.RotaryEmbedding(
                            100)},
-    # Llama 4's NoPE layer and Qwen3's RoPE layer in one: every step.
+    # Llama 4's NoPE layer, Qwen3's RoPE layer, Gemma 4's value norm and
+    # DBRX's clip in one: every step.
     "all": {"qk_norm": "rms", "query_temperature": (3.0, 0.25),
+            "value_norm": True, "qkv_clip": 1.5,
             "rotary_embedding": lambda: keras_mha.RotaryEmbedding(100)},
 }
 
@@ -97,6 +104,35 @@ class TestAgainstReference:
             axes = -1 if scope == "head" else (-2, -1)
             np.testing.assert_allclose((q**2).mean(axes), 1.0, atol=1e-4)
 
+    @pytest.mark.parametrize("scope", ["head", "projection"])
+    def test_layer_norm_is_keras_layer_normalization(self, rng, scope):
+        """`qk_norm="layer"` normalizes as Keras's `LayerNormalization`
+        over the same features, with the same scale and bias."""
+        x = _x(rng)
+        layer = _layer(x, "layer_head", qk_norm_scope=scope)
+        q = to_numpy(layer.query_dense(x))  # (B, T, N, H)
+        shape = q.shape if scope == "head" else (B, T, 1, N * H)
+        keras_norm = keras.layers.LayerNormalization(epsilon=1e-6)
+        keras_norm.build(shape)
+        keras_norm.set_weights([to_numpy(layer.query_norm.scale),
+                                to_numpy(layer.query_norm.bias)])
+        want = to_numpy(keras_norm(q.reshape(shape))).reshape(q.shape)
+        np.testing.assert_allclose(to_numpy(layer.query_norm(q)), want,
+                                   atol=2e-5)
+
+    def test_value_norm_and_clip(self, rng):
+        """Values of unit mean square per head; every projection within
+        the clip."""
+        x = _x(rng)
+        layer = _layer(x, "all")
+        v = to_numpy(heads_lib.values(layer, layer.value_dense(x)))
+        np.testing.assert_allclose((v**2).mean(-1), 1.0, atol=1e-4)
+        clipped = make_layer(x, x, num_heads=N, key_dim=H, qkv_clip=0.25)
+        for projection, transform in ((clipped.query_dense, heads_lib.queries),
+                                      (clipped.key_dense, heads_lib.keys)):
+            got = to_numpy(transform(clipped, projection(x), 0))
+            assert np.abs(got).max() == pytest.approx(0.25)
+
 
 class TestWeights:
     @pytest.mark.parametrize(
@@ -114,6 +150,15 @@ class TestWeights:
                            num_key_value_heads=K, use_sinks=True)
         # Keras's weights first, in Keras's order.
         assert names[:-2] == [w.path.split("/", 1)[1] for w in plain.weights]
+
+    def test_layer_norm_weights(self, rng):
+        x = _x(rng)
+        layer = _layer(x, "layer_projection")
+        names = [w.path.split("/", 1)[1] for w in layer.weights]
+        assert names[-4:] == ["query_norm/scale", "query_norm/bias",
+                              "key_norm/scale", "key_norm/bias"]
+        assert [tuple(w.shape) for w in layer.weights[-4:]] == [
+            (N * H,), (N * H,), (K * H,), (K * H,)]
 
     def test_l2_has_no_weights(self, rng):
         x = _x(rng)
@@ -218,6 +263,7 @@ class TestConfig:
                 config["qk_norm_epsilon"], config["query_temperature"]) == (
             "rms", "projection", 1e-5, (3.0, 0.25))
         assert config["qk_norm_after_rope"] is False
+        assert (config["value_norm"], config["qkv_clip"]) == (True, 1.5)
         clone = keras_mha.MultiHeadAttention.from_config(config)
         assert clone.get_config() == config
         inputs = keras.Input((T, E))
@@ -249,7 +295,9 @@ class TestErrors:
     @pytest.mark.parametrize(
         "kwargs, match",
         [
-            ({"qk_norm": "layer"}, "qk_norm='layer'"),
+            ({"qk_norm": "batch"}, "qk_norm='batch'"),
+            ({"qkv_clip": 0}, "qkv_clip=0"),
+            ({"qkv_clip": -1.0}, "qkv_clip=-1.0"),
             ({"qk_norm": True}, "qk_norm=True"),
             ({"qk_norm_scope": "token"}, "qk_norm_scope='token'"),
             ({"qk_norm_scope": None}, "qk_norm_scope=None"),
@@ -269,7 +317,8 @@ class TestErrors:
         with pytest.raises(ValueError, match=match):
             keras_mha.MultiHeadAttention(num_heads=2, key_dim=4, **kwargs)
 
-    def test_after_rope_is_a_boolean(self):
-        with pytest.raises(TypeError, match="qk_norm_after_rope='yes'"):
+    @pytest.mark.parametrize("name", ["qk_norm_after_rope", "value_norm"])
+    def test_booleans(self, name):
+        with pytest.raises(TypeError, match=f"{name}='yes'"):
             keras_mha.MultiHeadAttention(num_heads=2, key_dim=4,
-                                         qk_norm_after_rope="yes")
+                                         **{name: "yes"})

@@ -77,6 +77,13 @@ GEMMA3_ROPE = {
     "full_attention": {"rope_type": "linear", "factor": 8.0,
                        "rope_theta": 1000000.0},
 }
+# Gemma 4's rope: the default on local layers, "proportional" on global
+# ones (half of each head's pairs turn).
+GEMMA4_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": THETA},
+    "full_attention": {"rope_type": "proportional", "rope_theta": THETA,
+                       "partial_rotary_factor": 0.5},
+}
 # Qwen2.5's published long-context YaRN.
 YARN = {
     "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
@@ -220,6 +227,27 @@ CASES = {
              rope_parameters=LLAMA4_ROPE, max_position_embeddings=131072,
              intermediate_size_mlp=16, num_local_experts=1),
         LENGTH,
+    ),
+    # Gemma 4: a local layer, then a global one with heads twice the size,
+    # proportional rope and keys that are the values; values normalized
+    # and logits unscaled on both.
+    "gemma4_proportional": (
+        "Gemma4TextConfig",
+        dict(num_hidden_layers=2, head_dim=HEAD_DIM, global_head_dim=16,
+             sliding_window=WINDOW, attention_k_eq_v=True,
+             hidden_size_per_layer_input=0, rope_parameters=GEMMA4_ROPE,
+             layer_types=["sliding_attention", "full_attention"]),
+        LENGTH,
+    ),
+    # Persimmon: a fused projection per head, LayerNorms of the query and
+    # key heads, half of each head rotated. It has no key/value heads.
+    "persimmon_layer_norms": (
+        "PersimmonConfig", dict(num_hidden_layers=1, num_key_value_heads=None),
+        LENGTH,
+    ),
+    # nanochat: weightless norms after a rotation the other way.
+    "nanochat_reversed": (
+        "NanoChatConfig", dict(num_hidden_layers=1), LENGTH,
     ),
 }
 
@@ -405,7 +433,10 @@ class TestOutputs:
                                          "qwen3_norms",
                                          "gemma3_local_global",
                                          "olmo2_norms",
-                                         "llama4_chunked_nope"])
+                                         "llama4_chunked_nope",
+                                         "gemma4_proportional",
+                                         "persimmon_layer_norms",
+                                         "nanochat_reversed"])
     def test_decoding_matches_the_models_cache(self, case_id):
         """Step by step with a cache, the layer computes what the module
         computes with transformers' cache: each key keeps the rotation of
@@ -552,7 +583,7 @@ def _module(case_id, **config_changes):
 
 
 class TestErrors:
-    @pytest.mark.parametrize("rope_type", ["proportional", "mrope"])
+    @pytest.mark.parametrize("rope_type", ["axial", "mrope"])
     def test_rope_type(self, rope_type):
         module = _module("llama", rope_parameters={
             "rope_type": rope_type, "rope_theta": THETA})

@@ -27,6 +27,8 @@ OURS_ONLY = (
     "query_temperature",
     "attention_chunk_size",
     "qk_norm_after_rope",
+    "value_norm",
+    "qkv_clip",
 )
 
 
@@ -100,13 +102,20 @@ def reference(layer, query, value, key=None, **kwargs):
     if layer.sinks is not None:
         kwargs.setdefault("sinks", to_numpy(layer.sinks).astype("float64"))
     if layer.qk_norm is not None:
-        scales = [
+        norms = (layer.query_norm, layer.key_norm)
+        weights = [
             None if norm is None else to_numpy(norm.scale).astype("float64")
-            for norm in (layer.query_norm, layer.key_norm)
+            for norm in norms
         ]
+        if layer.qk_norm == "layer":
+            weights += [to_numpy(norm.bias).astype("float64")
+                        for norm in norms]
         kwargs.setdefault(
-            "qk_norm", (layer.qk_norm_scope, layer.qk_norm_epsilon, *scales)
+            "qk_norm", (layer.qk_norm_scope, layer.qk_norm_epsilon, *weights)
         )
+    if layer.value_norm:
+        kwargs.setdefault("value_norm", layer.qk_norm_epsilon)
+    kwargs.setdefault("qkv_clip", layer.qkv_clip)
     kwargs.setdefault("query_temperature", layer.query_temperature)
     kwargs.setdefault("qk_norm_after_rope", layer.qk_norm_after_rope)
     kwargs.setdefault("chunk_size", layer.attention_chunk_size)

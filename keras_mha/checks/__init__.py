@@ -18,6 +18,7 @@ from keras_mha.checks.arguments import rotary_embedding
 from keras_mha.checks.arguments import dropout_rate
 from keras_mha.checks.arguments import choice
 from keras_mha.checks.arguments import head_features
+from keras_mha.checks.arguments import key_value_heads
 from keras_mha.checks.arguments import single_attention_axis
 from keras_mha.checks.arguments import flash_attention
 from keras_mha.checks.arguments import output_shape
@@ -54,6 +55,7 @@ __all__ = [
     "dropout_rate",
     "feature_arguments",
     "head_features",
+    "key_value_heads",
     "flash_attention",
     "input_shapes",
     "mask_argument",

@@ -102,6 +102,18 @@ def choice(name, value, choices, allow_none=False):
     return value
 
 
+def key_value_heads(value, num_heads):
+    """`num_key_value_heads`: `None`, or a positive int dividing
+    `num_heads`."""
+    value = positive_int("num_key_value_heads", value, allow_none=True)
+    if value is not None and num_heads % value:
+        raise ValueError(
+            "`num_key_value_heads` must divide `num_heads`. Received: "
+            f"num_heads={num_heads}, num_key_value_heads={value}"
+        )
+    return value
+
+
 def query_temperature_pair(value):
     """`None`, or `(floor_scale, scale)`: a positive number and a finite
     one, as a tuple of Python floats (a JSON list from a config too)."""
@@ -124,15 +136,19 @@ def query_temperature_pair(value):
 
 
 def head_features(qk_norm, qk_norm_scope, qk_norm_epsilon,
-                  query_temperature, qk_norm_after_rope=False):
+                  query_temperature, qk_norm_after_rope=False,
+                  value_norm=False, qkv_clip=None):
     """The layer's `qk_norm`, `qk_norm_scope`, `qk_norm_epsilon`,
-    `query_temperature` and `qk_norm_after_rope`, checked."""
+    `query_temperature`, `qk_norm_after_rope`, `value_norm` and
+    `qkv_clip`, checked."""
     return (
-        choice("qk_norm", qk_norm, ("rms", "l2"), allow_none=True),
+        choice("qk_norm", qk_norm, ("rms", "layer", "l2"), allow_none=True),
         choice("qk_norm_scope", qk_norm_scope, ("head", "projection")),
         positive_number("qk_norm_epsilon", qk_norm_epsilon),
         query_temperature_pair(query_temperature),
         boolean("qk_norm_after_rope", qk_norm_after_rope),
+        boolean("value_norm", value_norm),
+        positive_number("qkv_clip", qkv_clip, allow_none=True),
     )
 
 

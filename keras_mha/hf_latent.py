@@ -1,0 +1,107 @@
+"""Weight import of `transformers`' multi-head latent attention (DeepSeek
+V2 and V3, and the families built on them: a module with
+`kv_a_proj_with_mqa`) into `keras_mha.MultiHeadLatentAttention`;
+`huggingface.from_transformers` sends such modules here. Nothing here
+imports `transformers`.
+"""
+
+import numpy as np
+
+from keras_mha import hf_structure
+from keras_mha import host
+from keras_mha import rope_parameters
+from keras_mha.latent import MultiHeadLatentAttention
+
+
+def from_transformers(module, name, family, config, **layer_kwargs):
+    """`DeepseekV3Attention` -> `MultiHeadLatentAttention` (see
+    `from_transformers`).
+
+    Read: the heads and sizes (`num_attention_heads`, `q_lora_rank`, which
+    is `None` for DeepSeek V2-Lite's direct query, `kv_lora_rank`,
+    `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`), the weights of
+    `q_proj` (or `q_a_proj`, `q_a_layernorm`, `q_b_proj`),
+    `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj` and `o_proj`, the
+    norms' epsilon, `module.scaling` (with YaRN's `mscale_all_dim`
+    squared in it) as `scale`, the rope parameters for `qk_rope_head_dim`
+    features (YaRN's `mscale` and `mscale_all_dim` as its
+    `attention_factor`), and `rope_interleave` as `interleaved=True`: the
+    module turns the pairs `(2i, 2i + 1)` and lays the result out as two
+    halves, the same rotation in another order, which a query's product
+    with a key does not see. With `attention_bias`, the projections of the
+    input and the output have biases (zeros where the module has none: its
+    `q_proj`).
+    """
+    hf_structure.check_all_read(module, dict(module.named_children()), {
+        "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj",
+        "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj",
+    }, name)
+    num_heads = int(config.num_attention_heads)
+    hidden_size = int(config.hidden_size)
+    q_rank = module.q_lora_rank
+    q_rank = None if q_rank is None else int(q_rank)
+    rank = int(module.kv_lora_rank)
+    nope, rope = int(module.qk_nope_head_dim), int(module.qk_rope_head_dim)
+    v_dim = int(module.v_head_dim)
+    use_bias = bool(getattr(config, "attention_bias", False))
+    rotary = None  # NoPE (Kimi Linear): the rope part of a key unturned
+    if "position_embeddings" in hf_structure.forward_parameters(module):
+        rotary = rope_parameters.rotary_embedding(
+            config, rope, name,
+            interleaved=family.interleaved
+            or bool(getattr(config, "rope_interleave", False)),
+        )
+    fixed = dict(
+        num_heads=num_heads,
+        kv_lora_rank=rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v_dim,
+        q_lora_rank=q_rank,
+        rotary_embedding=rotary,
+        scale=float(module.scaling),
+        use_bias=use_bias,
+        norm_epsilon=float(module.kv_a_layernorm.variance_epsilon),
+        sliding_window=None,
+    )
+    hf_structure.check_fixed_kwargs(layer_kwargs, name, fixed)
+    hf_structure.default_dropout(layer_kwargs, config)
+    layer = MultiHeadLatentAttention(**{**layer_kwargs, **fixed})
+    shape = (None, None, hidden_size)
+    layer.build(shape, shape)
+
+    def weights(dense, kernel_shape, bias_shape=None):
+        # torch: y = x @ W.T + b.
+        kernel = host.to_numpy(dense.weight).T.reshape(kernel_shape)
+        if bias_shape is None or not use_bias:
+            return [kernel]
+        if dense.bias is None:
+            return [kernel, np.zeros(bias_shape, kernel.dtype)]
+        return [kernel, host.to_numpy(dense.bias).reshape(bias_shape)]
+
+    query_heads = (num_heads, nope + rope)
+    if q_rank is None:
+        layer._query_dense.set_weights(
+            weights(module.q_proj, (hidden_size, *query_heads), query_heads)
+        )  # (E, N, Hn + P)
+    else:
+        layer._query_a.set_weights(
+            weights(module.q_a_proj, (hidden_size, q_rank), (q_rank,))
+        )  # (E, Rq)
+        layer._query_norm.set_weights(
+            [host.to_numpy(module.q_a_layernorm.weight)]
+        )
+        layer._query_b.set_weights(
+            weights(module.q_b_proj, (q_rank, *query_heads))
+        )  # (Rq, N, Hn + P)
+    layer._kv_a.set_weights(weights(
+        module.kv_a_proj_with_mqa, (hidden_size, rank + rope), (rank + rope,)
+    ))  # (E, R + P)
+    layer._kv_norm.set_weights([host.to_numpy(module.kv_a_layernorm.weight)])
+    layer._kv_b.set_weights(
+        weights(module.kv_b_proj, (rank, num_heads, nope + v_dim))
+    )  # (R, N, Hn + V)
+    layer._output_dense.set_weights(weights(
+        module.o_proj, (num_heads, v_dim, hidden_size), (hidden_size,)
+    ))  # (N, V, E)
+    return layer
