@@ -21,9 +21,11 @@ _EXPORTS = {
     "CachedMultiHeadAttention": "keras_mha.cached",
     "ContextParallel": "keras_mha.distribution",
     "GroupedQueryAttention": "keras_mha.grouped",
+    "HubAttention": "keras_mha.hub",
     "MultiHeadAttention": "keras_mha.layer",
     "MultiHeadLatentAttention": "keras_mha.latent",
     "RotaryEmbedding": "keras_mha.rotary",
+    "adopt": "keras_mha.hub",
     "from_keras": "keras_mha.convert",
     "from_torch": "keras_mha.convert",
     "layout_map": "keras_mha.distribution",
@@ -38,6 +40,8 @@ if typing.TYPE_CHECKING:  # for static readers: type checkers, the API docs
     from keras_mha.convert import from_torch
     from keras_mha.distribution import layout_map
     from keras_mha.grouped import GroupedQueryAttention
+    from keras_mha.hub import HubAttention
+    from keras_mha.hub import adopt
     from keras_mha.latent import MultiHeadLatentAttention
     from keras_mha.layer import MultiHeadAttention
     from keras_mha.rotary import RotaryEmbedding

@@ -121,15 +121,19 @@ def zero_padding(x, tokens):
 def build_norms(layer):
     """The sublayers `query_norm` and `key_norm` of a layer with
     `qk_norm="rms"` or `"layer"` (after its other weights, so those line
-    up with Keras's); nothing for `"l2"` or `None`."""
+    up with Keras's); nothing for `"l2"` or `None`. Norms handed over
+    before the build (`hub.adopt`: keras-hub's own, any layer normalizing
+    the last axis) are used as they are."""
     if layer._qk_norm not in ("rms", "layer"):
         return
     for name, heads in (("query", layer._num_heads),
                         ("key", layer._num_key_value_heads)):
-        norm = HeadNorm(layer._qk_norm_scope, layer._qk_norm_epsilon,
-                        center=layer._qk_norm == "layer",
-                        name=f"{name}_norm", dtype=layer.dtype_policy)
-        norm.build((None, None, heads, layer._key_dim))
+        norm = layer._adopted.pop(f"{name}_norm", None) or HeadNorm(
+            layer._qk_norm_scope, layer._qk_norm_epsilon,
+            center=layer._qk_norm == "layer", name=f"{name}_norm",
+            dtype=layer.dtype_policy)
+        if not norm.built:
+            norm.build((None, None, heads, layer._key_dim))
         setattr(layer, f"_{name}_norm", norm)
 
 

@@ -97,8 +97,9 @@ FAMILIES = {
     "afmoe": Family(separate_gate=True, rope_layers="sliding"),
     "bamba": _PARTIAL,
     "beam": Family(separate_gate=True, rope_layers="sliding"),
-    "bloom": _refused("the block's residual, added inside the attention "
-                      "module"),
+    # BLOOM's module adds its block's residual to its output; the layer is
+    # the attention without it, as for a BERT-style block.
+    "bloom": Family(alibi=True, fused_layout="per_head"),
     "codegen": Family(interleaved=True, fused_layout="model_parallel"),
     "cohere": _INTERLEAVED,
     "cohere2": Family(rope_layers="sliding", interleaved=True),

@@ -251,6 +251,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
          self._query_temperature, self._qk_norm_after_rope, self._value_norm,
          self._qkv_clip) = head_features
         self._query_norm = self._key_norm = None  # `HeadNorm`s, built
+        self._adopted = {}  # built projections by name, for `build`
 
     # Read-only as in Keras; not `output_shape` (`Functional.summary()`).
     num_heads = _read_only("_num_heads")
@@ -331,20 +332,13 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
     # ------------------------------------------------------------------ build
 
     def build(self, query_shape, value_shape, key_shape=None):
-        key_shape = value_shape if key_shape is None else key_shape
-        query_shape, value_shape, key_shape = (
-            tuple(query_shape),
-            tuple(value_shape),
-            tuple(key_shape),
-        )
+        query_shape, value_shape = tuple(query_shape), tuple(value_shape)
+        key_shape = value_shape if key_shape is None else tuple(key_shape)
         self._layout = checks.input_shapes(
             query_shape, value_shape, key_shape, self._attention_axes
         )
-        self._feature_sizes = {
-            "query": query_shape[-1],
-            "value": value_shape[-1],
-            "key": key_shape[-1],
-        }
+        self._feature_sizes = dict(query=query_shape[-1],
+                                   value=value_shape[-1], key=key_shape[-1])
         heads = {
             "query": (self._num_heads, self._key_dim, query_shape),
             "key": (self._num_key_value_heads, self._key_dim, key_shape),
@@ -352,27 +346,29 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
             "value": (self._num_key_value_heads, self._value_dim, value_shape),
         }
         # Keras's order (query, key, gate, value, then output), so
-        # `get_weights()` lines up with Keras's layers.
+        # `get_weights()` lines up with Keras's layers. Projections handed
+        # over before the build (`hub.adopt`) are used as they are.
         for name, (count, size, shape) in heads.items():
             if name == "gate" and not self._use_gate:
                 continue
-            dense = projections.heads_projection(
+            dense = self._adopted.pop(name, None) or projections.heads_projection(
                 self, len(shape), count, size, name,
                 activation="sigmoid" if name == "gate" else None,
             )
-            dense.build(shape)
+            if not dense.built:
+                dense.build(shape)
             setattr(self, f"_{name}_dense", dense)
         # Holds the dropout's `SeedGenerator`, as Keras's layer does; every
         # path drops weights with it (see `AttentionSpec.seed`).
         self._dropout_layer = keras.layers.Dropout(
             rate=self._dropout, dtype=self.dtype_policy, seed=self.seed
         )
-        self._output_dense = projections.output_projection(
-            self, len(query_shape), self._output_shape or (query_shape[-1],)
-        )
-        self._output_dense.build(
-            query_shape[:-1] + (self._num_heads, self._value_dim)
-        )
+        self._output_dense = self._adopted.pop(
+            "output", None) or projections.output_projection(
+            self, len(query_shape), self._output_shape or (query_shape[-1],))
+        if not self._output_dense.built:
+            self._output_dense.build(
+                query_shape[:-1] + (self._num_heads, self._value_dim))
         if self._use_sinks:  # after Keras's weights, so theirs line up
             self._sinks_layer = projections.Sinks(
                 self._num_heads, name="sinks", dtype=self.dtype_policy

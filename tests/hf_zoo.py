@@ -171,6 +171,11 @@ def run(model_type, seed=0):
             return
         hidden = args[0] if args else kwargs.get("hidden_states")
         first = output[0] if isinstance(output, (tuple, list)) else output
+        residual = kwargs.get("residual", args[1] if len(args) > 1 else None)
+        if "residual" in inspect.signature(module.forward).parameters:
+            # BLOOM adds its block's residual inside the module: the
+            # attention is the rest.
+            first = first - residual
         if getattr(module, "dense_bias", None) is not None:
             # GPT-NeoX-Japanese returns its output bias apart, and its
             # block adds it: the module's contribution is both.

@@ -238,7 +238,7 @@ import keras
 registered = sorted(
     name for name in ("MultiHeadAttention", "CachedMultiHeadAttention",
                       "GroupedQueryAttention", "MultiHeadLatentAttention",
-                      "RotaryEmbedding")
+                      "RotaryEmbedding", "HubAttention")
     if keras.saving.get_registered_object("keras_mha>" + name) is not None)
 print(json.dumps({"alone": alone, "missing": missing,
                   "version": keras_mha.__version__,
@@ -257,9 +257,11 @@ def test_the_package_loads_its_names_on_first_use():
         "CachedMultiHeadAttention": "keras_mha.cached",
         "ContextParallel": "keras_mha.distribution",
         "GroupedQueryAttention": "keras_mha.grouped",
+        "HubAttention": "keras_mha.hub",
         "MultiHeadAttention": "keras_mha.layer",
         "MultiHeadLatentAttention": "keras_mha.latent",
         "RotaryEmbedding": "keras_mha.rotary",
+        "adopt": "keras_mha.hub",
         "from_keras": "keras_mha.convert",
         "from_torch": "keras_mha.convert",
         "layout_map": "keras_mha.distribution",
@@ -268,6 +270,7 @@ def test_the_package_loads_its_names_on_first_use():
     # One name read registered every layer with Keras's serialization.
     assert found["registered"] == ["CachedMultiHeadAttention",
                                    "GroupedQueryAttention",
+                                   "HubAttention",
                                    "MultiHeadAttention",
                                    "MultiHeadLatentAttention",
                                    "RotaryEmbedding"]

@@ -1,0 +1,180 @@
+"""`keras_mha.adopt`: keras-hub's causal LMs on this library's attention.
+
+Each family's tiny backbone is built from its config (nothing is
+downloaded), its weights drawn at random large enough that the positions
+matter, and its logits, greedy `generate` tokens, saved and reloaded
+logits, LoRA and int8 quantization compared before and after the swap, on
+every backend.
+"""
+
+import numpy as np
+import pytest
+from util import to_numpy
+
+import keras
+import keras_mha
+from keras_mha import hub
+
+keras_hub = pytest.importorskip("keras_hub")
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() == "numpy",
+    reason="keras-hub's models do not build on Keras's NumPy backend",
+)
+
+VOCAB, LENGTH = 50, 12
+SIZES = dict(vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
+             num_key_value_heads=2, hidden_dim=32, intermediate_dim=16)
+# family -> (backbone, causal LM, extra config)
+FAMILIES = {
+    "llama": ("LlamaBackbone", "LlamaCausalLM", {}),
+    "mistral": ("MistralBackbone", "MistralCausalLM",
+                dict(sliding_window=4)),
+    "mixtral": ("MixtralBackbone", "MixtralCausalLM",
+                dict(num_experts=2, top_k=1, sliding_window=4)),
+    "qwen": ("QwenBackbone", "QwenCausalLM", {}),
+    "qwen_moe": ("QwenMoeBackbone", "QwenMoeCausalLM",
+                 dict(num_experts=2, top_k=1, moe_intermediate_dim=16,
+                      shared_expert_intermediate_dim=16)),
+    "qwen3": ("Qwen3Backbone", "Qwen3CausalLM", dict(head_dim=8)),
+    "qwen3_moe": ("Qwen3MoeBackbone", "Qwen3MoeCausalLM",
+                  dict(head_dim=8, num_experts=2, top_k=1,
+                       moe_intermediate_dim=16)),
+    "phi3": ("Phi3Backbone", "Phi3CausalLM", {}),
+    "gemma": ("GemmaBackbone", "GemmaCausalLM", dict(head_dim=8)),
+    # Gemma 2: soft-caps, a window on every other layer, post norms.
+    "gemma2": ("GemmaBackbone", "GemmaCausalLM",
+               dict(head_dim=8, query_head_dim_normalize=False,
+                    use_post_ffw_norm=True, use_post_attention_norm=True,
+                    final_logit_soft_cap=30.0, attention_logit_soft_cap=2.0,
+                    sliding_window_size=4,
+                    use_sliding_window_attention=True)),
+}
+
+
+def _model(family, seed=0):
+    backbone_name, lm_name, extra = FAMILIES[family]
+    backbone = getattr(keras_hub.models, backbone_name)(**SIZES, **extra)
+    rng = np.random.default_rng(seed)
+    for weight in backbone.weights:
+        weight.assign(rng.normal(scale=0.3, size=weight.shape)
+                      .astype(weight.dtype))
+    return getattr(keras_hub.models, lm_name)(backbone=backbone,
+                                              preprocessor=None)
+
+
+def _attention(block):
+    return getattr(block, "_self_attention_layer", None) or block.attention
+
+
+def _inputs():
+    """Two prompts of 5 and 3 tokens, padded to `LENGTH`."""
+    rng = np.random.default_rng(1)
+    ids = np.zeros((2, LENGTH), "int32")
+    mask = np.zeros((2, LENGTH), bool)
+    for row, length in enumerate((5, 3)):
+        ids[row, :length] = rng.integers(3, VOCAB, length)
+        mask[row, :length] = True
+    return {"token_ids": ids, "padding_mask": mask}
+
+
+def _logits(model, inputs):
+    """The logits at the real tokens (a padded query may see no key)."""
+    return to_numpy(model(inputs))[inputs["padding_mask"]]
+
+
+def _assert_logits_close(got, want):
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got / scale, want / scale, atol=1e-5)
+
+
+# One family per naming of keras-hub's sublayers: private projections
+# (Llama), public ones (Mixtral), query/key norms (Qwen 3), Gemma's.
+NAMINGS = ["llama", "mixtral", "qwen3", "gemma2"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_generate_and_weights(family):
+    """The same logits and greedy tokens after the swap, on the same
+    weight variables; a second `adopt` changes nothing."""
+    model, inputs = _model(family), _inputs()
+    want_logits = _logits(model, inputs)
+    model.compile(sampler="greedy")
+    want = model.generate(inputs, stop_token_ids=None)["token_ids"]
+    block = model.backbone.transformer_layers[0]
+    attention = _attention(block)
+    query = getattr(attention, "_query_dense", None) or attention.query_dense
+    count = len(model.weights)
+    assert keras_mha.adopt(model) is model
+    for each in model.backbone.transformer_layers:
+        assert isinstance(_attention(each), hub.HubAttention)
+    layer = _attention(block)
+    assert layer.query_dense is query  # the same variables
+    assert len(model.weights) == count
+    _assert_logits_close(_logits(model, inputs), want_logits)
+    model.compile(sampler="greedy")
+    got = model.generate(inputs, stop_token_ids=None)["token_ids"]
+    np.testing.assert_array_equal(got, want)
+    keras_mha.adopt(model)
+    assert _attention(block) is layer
+
+
+@pytest.mark.parametrize("family", NAMINGS)
+def test_save_and_load(family, tmp_path):
+    """The saved model's weights sit at keras-hub's paths: it loads as
+    keras-hub's model, computing the same."""
+    model, inputs = _model(family), _inputs()
+    keras_mha.adopt(model)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    _assert_logits_close(_logits(loaded, inputs), _logits(model, inputs))
+
+
+def test_int8():
+    """The projections the layer took over, quantized to int8 in place
+    (`EinsumDense.quantize`, which `Model.quantize` calls on each), give
+    what keras-hub's quantized attention gives."""
+    model, inputs = _model("llama"), _inputs()
+    twin = _model("llama")
+    keras_mha.adopt(model)
+    for each in (model, twin):
+        for block in each.backbone.transformer_layers:
+            attention = _attention(block)
+            for name in ("query", "key", "value", "output"):
+                getattr(attention, f"_{name}_dense").quantize("int8")
+    assert _attention(model.backbone.transformer_layers[0]).query_dense \
+        .quantization_mode == "int8"
+    _assert_logits_close(_logits(model, inputs), _logits(twin, inputs))
+
+
+@pytest.mark.training
+@pytest.mark.parametrize("family", NAMINGS)
+def test_lora(family):
+    model, inputs = _model(family), _inputs()
+    want = _logits(model, inputs)
+    keras_mha.adopt(model)
+    model.backbone.enable_lora(rank=2)
+    names = [w.path for w in model.trainable_weights]
+    assert any("lora" in name for name in names)
+    assert not any("query/kernel" in name for name in names)
+    _assert_logits_close(_logits(model, inputs), want)
+
+
+class TestErrors:
+    def test_not_keras_hub(self):
+        with pytest.raises(ValueError, match="keras-hub `CausalLM`"):
+            keras_mha.adopt(keras.Sequential([keras.layers.Dense(2)]))
+
+    def test_unknown_attention_changes_nothing(self, monkeypatch):
+        model = _model("llama")
+        monkeypatch.delitem(hub.READERS, "LlamaAttention")
+        with pytest.raises(ValueError, match="no reader for the "
+                           "LlamaAttention"):
+            keras_mha.adopt(model)
+        assert not any(isinstance(_attention(b), hub.HubAttention)
+                       for b in model.backbone.transformer_layers)
+
+    def test_dropout(self):
+        backbone = keras_hub.models.LlamaBackbone(**SIZES, dropout=0.1)
+        with pytest.raises(ValueError, match=r"dropout=0\.1"):
+            keras_mha.adopt(backbone)
