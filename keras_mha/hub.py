@@ -10,14 +10,24 @@ act on them as before) and puts it in the block's place. The blocks call
 it as they called keras-hub's layer, with keras-hub's cache layout, so
 `generate`, `fit`, `predict` and the block's masks work unchanged.
 
+Without a cache (training, scoring, `predict`), a swapped block does not
+build its dense `(B, T, S)` mask: `adopt` wraps the block's mask method so
+that it hands the layer a `CausalMask` (the padding, and the rule: causal)
+instead, and the layer runs the path the rule allows: banded, O(T·w), for
+a window. With a cache, or a mask of the caller's, the block's own method
+runs and the layer takes its dense mask.
+
 Nothing here imports keras-hub: a model comes from it or is refused.
 """
 
 import dataclasses
+import inspect
 
 import keras
+from keras import ops
 
 from keras_mha.cached import CachedMultiHeadAttention
+from keras_mha.layer import MultiHeadAttention
 
 @keras.saving.register_keras_serializable(package="keras_mha")
 class HubAttention(CachedMultiHeadAttention):
@@ -36,6 +46,9 @@ class HubAttention(CachedMultiHeadAttention):
         cache: `None` or `(B, 2, S, K, H)`.
         cache_update_index: with `cache`, the slot of the first new token.
         training: whether dropout is applied.
+        causal, key_mask: what a swapped block's `CausalMask` stands for,
+            set by `__call__`: causal self-attention over the keys that
+            `key_mask` `(B, S)` keeps.
 
     Returns:
         `output` `(B, T, E)`, or `(output, cache)` with a cache.
@@ -61,25 +74,101 @@ class HubAttention(CachedMultiHeadAttention):
             for ours in sublayers
         ) - {theirs for theirs, _ in sublayers.values()}
 
+    def __call__(self, *args, **kwargs):
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, CausalMask):  # from a swapped block
+            kwargs.update(attention_mask=None, causal=True,
+                          key_mask=mask.padding)
+        return super().__call__(*args, **kwargs)
+
     def call(self, hidden_states, attention_mask=None, cache=None,
-             cache_update_index=None, training=None):
+             cache_update_index=None, cache_update_mask=None, training=None,
+             causal=False, key_mask=None):
         if cache is None:  # Gemma's layers take an index without a cache
             cache_update_index = None
-        return super().call(
+        if causal:  # a `CausalMask`: the layer's own paths, no dense mask
+            return MultiHeadAttention.call(
+                self, hidden_states, hidden_states, training=training,
+                key_mask=key_mask, use_causal_mask=True)
+        pair = isinstance(cache, (tuple, list))  # Gemma 3's `(keys, values)`
+        given = ops.stack(cache, axis=1) if pair else cache
+        results = super().call(
             hidden_states, hidden_states, attention_mask=attention_mask,
-            cache=cache, cache_update_index=cache_update_index,
+            cache=given, cache_update_index=cache_update_index,
             training=training,
         )
+        if cache is None:
+            return results
+        output, new = results
+        if cache_update_mask is not None and cache_update_index is not None:
+            new = _keep_unmasked(given, new, cache_update_mask,
+                                 cache_update_index)
+        return output, ((new[:, 0], new[:, 1]) if pair else new)
 
     def compute_output_spec(self, hidden_states, attention_mask=None,
                             cache=None, cache_update_index=None,
-                            training=None):
+                            cache_update_mask=None, training=None,
+                            causal=False, key_mask=None):
         if cache is None:
             cache_update_index = None
-        return super().compute_output_spec(
+        pair = isinstance(cache, (tuple, list))
+        if pair:
+            keys = cache[0]
+            cache = keras.KerasTensor(
+                (keys.shape[0], 2, *keys.shape[1:]), dtype=keys.dtype)
+        spec = super().compute_output_spec(
             hidden_states, hidden_states, attention_mask=attention_mask,
             cache=cache, cache_update_index=cache_update_index,
         )
+        if not pair:
+            return spec
+        part = keras.KerasTensor(keys.shape, dtype=keys.dtype)
+        return spec[0], (part, part)
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalMask:
+    """A swapped block's mask as structure: causal self-attention over the
+    keys that `padding` `(B, S)` keeps (`None`: all), within the layer's
+    own window."""
+
+    padding: object = None
+
+
+def _structural(method):
+    """The block's mask `method`, returning a `CausalMask` when the call has
+    no cache and no mask of the caller's; the dense mask otherwise."""
+    signature = inspect.signature(method)
+
+    sequence = next(iter(signature.parameters))
+
+    def compute_mask(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        padding = next((v for k, v in bound.items() if "padding_mask" in k),
+                       None)
+        # A cache, a mask of the caller's, Gemma 3's vision mask.
+        given = any(v is not None for k, v in bound.items()
+                    if k != sequence and "padding_mask" not in k
+                    and "index" not in k)
+        return method(*args, **kwargs) if given else CausalMask(padding)
+
+    return compute_mask
+
+
+# The block methods that build a decoder block's dense mask.
+_MASK_METHODS = ("_compute_self_attention_mask", "_compute_attention_mask")
+
+
+def _keep_unmasked(old, new, update_mask, index):
+    """`new` `(B, 2, S, K, H)` where `update_mask` `(B, T)` allows the
+    write at slots `index ...` and `old` elsewhere (Gemma 3's
+    `cache_update_mask`: a prompt's slots, filled with bidirectional image
+    attention at the prefill, stay as they are)."""
+    slots = ops.shape(old)[2]
+    keep = ops.ones((ops.shape(old)[0], slots), "bool")
+    keep = ops.slice_update(keep, [0, index],
+                            ops.cast(update_mask, "bool"))
+    return ops.where(keep[:, None, :, None, None], new, old)
 
 
 @dataclasses.dataclass
@@ -148,7 +237,11 @@ def _llama(attention, name):
     hidden_size, num_heads, head_dim = query.kernel.shape
     window = None
     if getattr(attention, "use_sliding_window_attention", True):
-        window = getattr(attention, "sliding_window_size", None)
+        # Qwen's layers keep theirs; Mistral's and Mixtral's keep the
+        # window their blocks mask with.
+        window = next((getattr(attention, n) for n in (
+            "sliding_window_size", "_sliding_window", "sliding_window")
+            if getattr(attention, n, None) is not None), None)
     kwargs = dict(
         num_heads=int(num_heads), key_dim=int(head_dim),
         num_key_value_heads=int(sublayers["key"][1].kernel.shape[1]),
@@ -164,13 +257,21 @@ def _llama(attention, name):
 
 
 def _gemma(attention, name):
-    """Gemma and Gemma 2: projections `(N, E, H)`, a rotary layer whose
-    output keras-hub reorders (the same for queries and keys, so no
-    product changes), `1 / sqrt(H)` or `1 / sqrt(E / N)`, the soft-cap and
-    the layer's own window."""
+    """Gemma, Gemma 2 and Gemma 3: projections `(N, E, H)`, a rotary layer
+    (whose output Gemma 1 and 2 reorder, the same for queries and keys, so
+    no product changes), `1 / sqrt(H)` or `1 / sqrt(E / N)`, the soft-cap,
+    the layer's own window; Gemma 3's query/key norms."""
     _no_dropout(attention, name)
+    if getattr(attention, "use_bidirectional_attention", False):
+        raise ValueError(
+            f"The {name} attends both ways within its window "
+            "(EmbeddingGemma), which `adopt` does not read. Received: "
+            "use_bidirectional_attention=True"
+        )
     sublayers = _sublayers(attention, **_PROJECTIONS,
-                           rotary_embedding=("rope_layer",))
+                           rotary_embedding=("rope_layer",),
+                           query_norm=("query_norm",),
+                           key_norm=("key_norm",))
     num_heads = int(attention.num_query_heads)
     hidden_size = int(sublayers["query"][1].kernel.shape[1])
     head_dim = int(attention.head_dim)
@@ -187,6 +288,9 @@ def _gemma(attention, name):
         attn_logits_soft_cap=attention.logit_soft_cap,
         sliding_window=window,
     )
+    if "query_norm" in sublayers:  # Gemma 3's, `x·(1 + w)`, called as is
+        kwargs.update(qk_norm="rms", qk_norm_epsilon=float(
+            sublayers["query_norm"][1].epsilon))
     return Reading(kwargs, hidden_size, sublayers)
 
 
@@ -200,6 +304,7 @@ READERS = {
     "Qwen3MoeAttention": _llama,
     "Phi3Attention": _llama,
     "CachedGemmaAttention": _gemma,
+    "CachedGemma3Attention": _gemma,
 }
 # The attribute under which a family's decoder block holds its attention.
 _BLOCK_ATTRIBUTES = ("_self_attention_layer", "attention")
@@ -284,3 +389,7 @@ def _swap(block, attribute, attention, reading):
     setattr(block, attribute, layer)
     if locked:
         tracker.lock()
+    for name in _MASK_METHODS:
+        if hasattr(block, name):
+            object.__setattr__(block, name, _structural(getattr(block, name)))
+            break

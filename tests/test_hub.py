@@ -48,6 +48,11 @@ FAMILIES = {
                     final_logit_soft_cap=30.0, attention_logit_soft_cap=2.0,
                     sliding_window_size=4,
                     use_sliding_window_attention=True)),
+    # Gemma 3: query/key norms of `1 + w`, a cache of two tensors.
+    "gemma3": ("Gemma3Backbone", "Gemma3CausalLM",
+               dict(head_dim=8, use_query_key_norm=True, image_size=16,
+                    sliding_window_size=4,
+                    use_sliding_window_attention=True)),
 }
 
 
@@ -77,6 +82,17 @@ def _inputs():
     return {"token_ids": ids, "padding_mask": mask}
 
 
+def _generate(model, inputs):
+    """Greedy tokens. Gemma 3's `generate` cannot take token ids without a
+    preprocessor in keras-hub 0.32; its `generate_step`, which `generate`
+    compiles, can."""
+    model.compile(sampler="greedy")
+    if isinstance(model, keras_hub.models.Gemma3CausalLM):
+        return to_numpy(model.generate_step(dict(inputs),
+                                            stop_token_ids=None)["token_ids"])
+    return model.generate(inputs, stop_token_ids=None)["token_ids"]
+
+
 def _logits(model, inputs):
     """The logits at the real tokens (a padded query may see no key)."""
     return to_numpy(model(inputs))[inputs["padding_mask"]]
@@ -89,7 +105,7 @@ def _assert_logits_close(got, want):
 
 # One family per naming of keras-hub's sublayers: private projections
 # (Llama), public ones (Mixtral), query/key norms (Qwen 3), Gemma's.
-NAMINGS = ["llama", "mixtral", "qwen3", "gemma2"]
+NAMINGS = ["llama", "mixtral", "qwen3", "gemma3"]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -98,8 +114,7 @@ def test_logits_generate_and_weights(family):
     weight variables; a second `adopt` changes nothing."""
     model, inputs = _model(family), _inputs()
     want_logits = _logits(model, inputs)
-    model.compile(sampler="greedy")
-    want = model.generate(inputs, stop_token_ids=None)["token_ids"]
+    want = _generate(model, inputs)
     block = model.backbone.transformer_layers[0]
     attention = _attention(block)
     query = getattr(attention, "_query_dense", None) or attention.query_dense
@@ -111,11 +126,37 @@ def test_logits_generate_and_weights(family):
     assert layer.query_dense is query  # the same variables
     assert len(model.weights) == count
     _assert_logits_close(_logits(model, inputs), want_logits)
-    model.compile(sampler="greedy")
-    got = model.generate(inputs, stop_token_ids=None)["token_ids"]
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(_generate(model, inputs), want)
     keras_mha.adopt(model)
     assert _attention(block) is layer
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
+def test_masks_are_structure(family, monkeypatch):
+    """Without a cache a swapped block builds no dense mask: the layer is
+    called causal with the padding, and a windowed layer's path at a long
+    sequence is the banded one, O(T·w)."""
+    model, inputs = _model(family), _inputs()
+    want = _logits(model, inputs)
+    keras_mha.adopt(model)
+    seen = []
+    call = hub.HubAttention.call
+
+    def spy(self, *args, **kwargs):
+        seen.append((kwargs.get("causal"), kwargs.get("attention_mask")))
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(hub.HubAttention, "call", spy)
+    _assert_logits_close(_logits(model, inputs), want)
+    assert len(seen) == SIZES["num_layers"]
+    assert all(causal and mask is None for causal, mask in seen)
+    windowed = [_attention(b) for b in model.backbone.transformer_layers
+                if _attention(b).sliding_window is not None]
+    assert windowed
+    shape = (1, 4096, SIZES["hidden_dim"])
+    for layer in windowed:
+        assert layer.attention_path(shape, shape, use_causal_mask=True,
+                                    key_mask=True) == "banded"
 
 
 @pytest.mark.parametrize("family", NAMINGS)
@@ -145,6 +186,32 @@ def test_int8():
     assert _attention(model.backbone.transformer_layers[0]).query_dense \
         .quantization_mode == "int8"
     _assert_logits_close(_logits(model, inputs), _logits(twin, inputs))
+
+
+@pytest.mark.training
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_training_step(family):
+    """One SGD step of the swapped model updates every weight as the
+    unswapped model's step does (the swapped blocks attend through the
+    layer's own paths, without dense masks)."""
+    inputs = _inputs()
+    labels = np.roll(inputs["token_ids"], -1, axis=1)
+    weights = []
+    for swap in (False, True):
+        model = _model(family)
+        if swap:
+            keras_mha.adopt(model)
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+        model.train_on_batch(inputs, labels,
+                             sample_weight=inputs["padding_mask"])
+        weights.append({w.path: to_numpy(w) for w in model.backbone.weights})
+    want, got = weights
+    assert sorted(got) == sorted(want)
+    for path, value in want.items():
+        np.testing.assert_allclose(got[path], value, atol=2e-5, rtol=1e-4,
+                                   err_msg=path)
 
 
 @pytest.mark.training
