@@ -14,6 +14,7 @@ from keras import ops
 from keras_mha import checks
 from keras_mha import describe as describe_lib
 from keras_mha import heads as heads_lib
+from keras_mha import vllm
 from keras_mha.attention import attend
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import decode
@@ -75,7 +76,11 @@ class CachedMultiHeadAttention(MultiHeadAttention):
       call, a tensor one too, and writes nothing when traced; keras-hub's
       writes the clamped last slot on JAX and TensorFlow and raises torch's
       `IndexError`.
-    - keras-hub's vLLM paged-attention route (TPU serving) is not provided.
+    - keras-hub's vLLM route is taken as keras-hub's layers take it (see
+      `keras_mha.vllm`): while its serving context is active, the
+      projected heads go to its paged attention, rotated at the context's
+      positions; sinks, ALiBi, chunks, returned scores and cross-attention
+      are refused there by name.
 
     The constructor's arguments are `MultiHeadAttention`'s. A cache stores
     keys and values in one tensor, so decoding with a cache needs
@@ -120,6 +125,10 @@ class CachedMultiHeadAttention(MultiHeadAttention):
     ):
         if key is None:
             key = value
+        serving = vllm.serving_context()
+        if serving is not None:  # keras-hub's vLLM route
+            return vllm.paged_attention(self, query, value, key, cache,
+                                        serving, return_attention_scores)
         _check_call(
             self, query, value, key, attention_mask, cache,
             cache_update_index, return_attention_scores,

@@ -137,22 +137,22 @@ def build_norms(layer):
         setattr(layer, f"_{name}_norm", norm)
 
 
-def queries(layer, q, offset, tokens=None):
+def queries(layer, q, offset, tokens=None, positions=None):
     """The layer's projected queries `(B, T, N, H)` at positions `offset +
-    t`, ready for attention: padding zeroed, normalized, rotated, scaled
-    by the temperature."""
+    t` (or `positions` `(B, T)`, each token's own), ready for attention:
+    padding zeroed, normalized, rotated, scaled by the temperature."""
     q = _rotated_and_normalized(layer, "query", _clipped(layer, q, tokens),
-                                offset)
+                                offset, positions)
     if layer._query_temperature is not None:
         q = temperature(q, offset, *layer._query_temperature)
     return q
 
 
-def keys(layer, k, offset, tokens=None):
-    """The layer's projected keys `(B, S, K, H)` at positions `offset + j`:
-    padding zeroed, normalized, rotated."""
+def keys(layer, k, offset, tokens=None, positions=None):
+    """The layer's projected keys `(B, S, K, H)` at positions `offset + j`
+    (or `positions`): padding zeroed, normalized, rotated."""
     return _rotated_and_normalized(layer, "key", _clipped(layer, k, tokens),
-                                   offset)
+                                   offset, positions)
 
 
 def values(layer, v, tokens=None):
@@ -171,13 +171,15 @@ def _clipped(layer, x, tokens):
     return ops.clip(x, -layer._qkv_clip, layer._qkv_clip)
 
 
-def _rotated_and_normalized(layer, name, x, offset):
+def _rotated_and_normalized(layer, name, x, offset, positions=None):
     """The norm, then RoPE; or RoPE, then the norm
     (`qk_norm_after_rope`)."""
     after = layer._qk_norm_after_rope
     if not after:
         x = _norm(layer, name, x)
-    if layer._rotary_embedding is not None:
+    if layer._rotary_embedding is not None and positions is not None:
+        x = layer._rotary_embedding(x, positions=positions)
+    elif layer._rotary_embedding is not None:
         x = layer._rotary_embedding(x, start_index=offset)
     return _norm(layer, name, x) if after else x
 

@@ -26,6 +26,7 @@ import inspect
 import keras
 from keras import ops
 
+from keras_mha import vllm
 from keras_mha.cached import CachedMultiHeadAttention
 from keras_mha.layer import MultiHeadAttention
 
@@ -84,6 +85,10 @@ class HubAttention(CachedMultiHeadAttention):
     def call(self, hidden_states, attention_mask=None, cache=None,
              cache_update_index=None, cache_update_mask=None, training=None,
              causal=False, key_mask=None):
+        serving = vllm.serving_context()
+        if serving is not None:  # keras-hub's vLLM route
+            return vllm.paged_attention(self, hidden_states, hidden_states,
+                                        hidden_states, cache, serving)
         if cache is None:  # Gemma's layers take an index without a cache
             cache_update_index = None
         if causal:  # a `CausalMask`: the layer's own paths, no dense mask
