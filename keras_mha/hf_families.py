@@ -47,9 +47,10 @@ class Family:
         query_gate: `"per_head"` where the query projection holds, per
             head, `H` query rows then `H` gate rows (Qwen3-Next); else
             `None`.
-        separate_gate: whether a `gate_proj`/`g_proj` is a sigmoid output
-            gate of the input, as the layer's `use_gate`, one per feature
-            of the heads or one per head.
+        separate_gate: whether a `gate_proj`/`g_proj` is an output gate
+            of the input, as the layer's `use_gate`, one per feature of
+            the heads or one per head: `True` (a sigmoid) or the name of
+            its activation (`"softplus"`: Laguna).
         temperature: whether the NoPE layers scale their queries by
             position when `config.attn_temperature_tuning` (Llama 4).
         norms_after_rope: whether the query/key norms come after the
@@ -125,8 +126,7 @@ FAMILIES = {
     "hunyuan_v1_dense": _NORMS_AFTER_ROPE,
     "hunyuan_v1_moe": _NORMS_AFTER_ROPE,
     "kolibri1": _ROPE_WHERE_SLIDING,
-    "laguna": _refused("an output gate through softplus (the layer's is a "
-                       "sigmoid)"),
+    "laguna": Family(separate_gate="softplus", partial_rotary=True),
     "lara_mini": Family(rope_layers="sliding"),
     "lfm3": _SEPARATE_GATE,
     "llama4_text": Family(rope_layers="no_rope_layers", interleaved=True,

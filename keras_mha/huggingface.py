@@ -190,6 +190,9 @@ def from_transformers(module, config=None, **layer_kwargs):
         num_key_value_heads=num_kv_heads,
         use_bias=use_bias,
         use_gate=structure.gate is not None,
+        gate_activation=(family.separate_gate
+                         if isinstance(family.separate_gate, str)
+                         else "sigmoid"),
         output_shape=None,
         rotary_embedding=rotary_embedding,
         scale=float(head_dim**-0.5 if scale is None else scale)

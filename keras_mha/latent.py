@@ -15,6 +15,7 @@ from keras_mha.checks import latent as latent_checks
 from keras_mha import describe as describe_lib
 from keras_mha import distribution as distribution_lib
 from keras_mha import projections
+from keras_mha import properties
 from keras_mha.attention import latent as latent_lib
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
@@ -208,9 +209,7 @@ class MultiHeadLatentAttention(keras.layers.Layer):
             "qk_rope_head_dim": self._qk_rope_head_dim,
             "v_head_dim": self._v_head_dim,
             "q_lora_rank": self._q_lora_rank,
-            "rotary_embedding": None
-            if self._rotary_embedding is None
-            else keras.saving.serialize_keras_object(self._rotary_embedding),
+            "rotary_embedding": properties.serialized(self._rotary_embedding),
             "scale": self._given_scale,
             "use_bias": self._use_bias,
             "norm_epsilon": self._norm_epsilon,
@@ -229,13 +228,7 @@ class MultiHeadLatentAttention(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        rotary = config.get("rotary_embedding")
-        if isinstance(rotary, dict):
-            config["rotary_embedding"] = keras.saving.deserialize_keras_object(
-                rotary
-            )
-        return cls(**config)
+        return cls(**properties.with_layers(config))
 
     # ------------------------------------------------------------------ build
 

@@ -14,6 +14,7 @@ from keras_mha import describe as describe_lib
 from keras_mha import distribution as distribution_lib
 from keras_mha import heads as heads_lib
 from keras_mha import projections
+from keras_mha import properties
 from keras_mha.attention import attend
 from keras_mha.attention import attend_cached
 from keras_mha.attention import cache as cache_lib
@@ -68,8 +69,9 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         kernel_regularizer, bias_regularizer, activity_regularizer: as for
             `keras.layers.EinsumDense`, passed to every projection.
         kernel_constraint, bias_constraint: likewise.
-        use_gate: whether a sigmoid gate computed from the query multiplies
-            the heads before the output projection.
+        use_gate: whether a gate computed from the query multiplies the
+            heads before the output projection.
+        gate_activation: the gate's, `"sigmoid"` or `"softplus"` (Laguna).
         seed: seed of the dropout.
         num_key_value_heads: `K`, the key/value heads of grouped-query
             attention: query head `n` reads head `n // (N // K)`. Must
@@ -190,6 +192,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         qk_norm_after_rope=False,
         value_norm=False,
         qkv_clip=None,
+        gate_activation="sigmoid",
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
@@ -222,6 +225,8 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         self._dropout = dropout
         self._use_bias = bool(use_bias)
         self._use_gate = bool(use_gate)
+        self._gate_activation = checks.choice(
+            "gate_activation", gate_activation, ("sigmoid", "softplus"))
         self._output_shape = checks.output_shape(output_shape)
         self._attention_axes = checks.attention_axes(attention_axes)
         checks.single_attention_axis(
@@ -275,6 +280,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
     qk_norm_after_rope = _read_only("_qk_norm_after_rope")
     value_norm = _read_only("_value_norm")
     qkv_clip = _read_only("_qkv_clip")
+    gate_activation = _read_only("_gate_activation")
     query_temperature = _read_only("_query_temperature")
     query_norm = _read_only("_query_norm", "`qk_norm='rms'` or `'layer'`.")
     key_norm = _read_only("_key_norm", "`qk_norm='rms'` or `'layer'`.")
@@ -296,7 +302,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
             "flash_attention", "num_key_value_heads", "attention_chunk_size",
             "use_sinks", "use_alibi", "qk_norm", "qk_norm_scope",
             "qk_norm_epsilon", "query_temperature", "qk_norm_after_rope",
-            "value_norm", "qkv_clip",
+            "value_norm", "qkv_clip", "gate_activation",
         )
         config = {name: getattr(self, f"_{name}") for name in names}
         for kind, module in (
@@ -311,9 +317,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
                     )
         config.update(
             seed=self.seed,
-            rotary_embedding=None
-            if self._rotary_embedding is None
-            else keras.saving.serialize_keras_object(self._rotary_embedding),
+            rotary_embedding=properties.serialized(self._rotary_embedding),
             scale=self._given_scale,
             attn_logits_soft_cap=self._soft_cap,
         )
@@ -321,13 +325,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        rotary = config.get("rotary_embedding")
-        if isinstance(rotary, dict):
-            config["rotary_embedding"] = keras.saving.deserialize_keras_object(
-                rotary
-            )
-        return cls(**config)
+        return cls(**properties.with_layers(config))
 
     # ------------------------------------------------------------------ build
 
@@ -353,7 +351,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
                 continue
             dense = self._adopted.pop(name, None) or projections.heads_projection(
                 self, len(shape), count, size, name,
-                activation="sigmoid" if name == "gate" else None,
+                activation=self._gate_activation if name == "gate" else None,
             )
             if not dense.built:
                 dense.build(shape)

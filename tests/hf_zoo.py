@@ -33,6 +33,11 @@ OVERRIDES = {
     "mimo_v2_flash": dict(head_dim=24),
     # Ergo's global layers scale their queries and keys.
     "ergo": dict(global_attention_scale=2.0),
+    # LongCat-Flash's latent and expert sizes are its own parameters.
+    "longcat_flash": dict(q_lora_rank=16, qk_head_dim=16, num_layers=1,
+                          ffn_hidden_size=32, n_routed_experts=2,
+                          zero_expert_num=1, expert_ffn_hidden_size=16,
+                          moe_topk=1),
     # XLM's causal LM is causal only so configured.
     "xlm": dict(causal=True),
     "kolibri1_1": dict(index_num_heads=2),

@@ -135,6 +135,7 @@ def reference_attention(
     qk_norm_after_rope=False,
     value_norm=None,
     qkv_clip=None,
+    gate_activation="sigmoid",
 ):
     """Returns `(output, weights)` for rank-3 inputs, in float64.
 
@@ -149,7 +150,8 @@ def reference_attention(
     `qk_norm` may end with `(query_bias, key_bias)`: LayerNorms.
     `value_norm` is `None` or the epsilon of the values' weightless RMS
     norm per head; `qkv_clip` `None` or `c`, the projections clipped to
-    `[-c, c]`.
+    `[-c, c]`; `gate_activation` the output gate's, `"sigmoid"` or
+    `"softplus"`.
     """
     f64 = lambda x: None if x is None else np.asarray(x, dtype="float64")
     query, value = f64(query), f64(value)
@@ -235,7 +237,9 @@ def reference_attention(
     context = np.einsum("bnts,bsnv->btnv", probs, v)
     if "gate" in weights:
         gate = _project(query, weights["gate"], weights["gate_bias"])
-        context = context / (1.0 + np.exp(-gate))
+        context = context * (np.logaddexp(0.0, gate)
+                             if gate_activation == "softplus"
+                             else 1.0 / (1.0 + np.exp(-gate)))
     out = np.tensordot(context, weights["output"], axes=([2, 3], [0, 1]))
     if weights["output_bias"] is not None:
         out = out + weights["output_bias"]

@@ -108,6 +108,7 @@ class TestAgainstReference:
             dict(use_bias=False),
             dict(use_gate=True),
             dict(use_gate=True, use_bias=False, value_dim=2),
+            dict(use_gate=True, gate_activation="softplus"),
             dict(num_key_value_heads=2),
             dict(num_key_value_heads=1),
         ],

@@ -29,6 +29,7 @@ OURS_ONLY = (
     "qk_norm_after_rope",
     "value_norm",
     "qkv_clip",
+    "gate_activation",
 )
 
 
@@ -116,6 +117,7 @@ def reference(layer, query, value, key=None, **kwargs):
     if layer.value_norm:
         kwargs.setdefault("value_norm", layer.qk_norm_epsilon)
     kwargs.setdefault("qkv_clip", layer.qkv_clip)
+    kwargs.setdefault("gate_activation", layer.gate_activation)
     kwargs.setdefault("query_temperature", layer.query_temperature)
     kwargs.setdefault("qk_norm_after_rope", layer.qk_norm_after_rope)
     kwargs.setdefault("chunk_size", layer.attention_chunk_size)

@@ -20,6 +20,7 @@ import pytest
 
 import keras_mha
 from benchmarks import fit_step
+from benchmarks import hub
 from benchmarks import latent
 from benchmarks import plan
 from benchmarks import report
@@ -477,6 +478,25 @@ def test_fit_step_times_the_model_with_every_feature(capsys):
     windows = [layer.get_config()["sliding_window"] for layer in fit_step.model().layers
                if isinstance(layer, keras_mha.MultiHeadAttention)]
     assert windows == [4, None, 4, None]
+
+
+# ------------------------------------------------------------ hub
+
+
+@pytest.mark.training
+def test_hub_times_a_swapped_step(capsys):
+    """`python -m benchmarks.hub` on this backend at a short length: the
+    model swapped (its blocks hold `HubAttention`), one timed step; torch
+    eagerly, as for `fit_step`."""
+    pytest.importorskip("keras_hub")
+    jit = BACKEND != "torch"
+    hub.main(["--length", "64", "--steps", "1"] + ([] if jit else ["--no-jit"]))
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"{BACKEND} swapped T=64: first step ")
+    assert "median step" in line and "GiB" in line
+    blocks = hub.model(swapped=True).backbone.transformer_layers
+    assert all(isinstance(b.attention, keras_mha.HubAttention)
+               for b in blocks)
 
 
 # ------------------------------------------------------------ latent

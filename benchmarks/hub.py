@@ -1,0 +1,87 @@
+"""A Gemma-3-shaped keras-hub model's training step, swapped by
+`keras_mha.adopt` or keras-hub's own, on the active backend:
+
+    python -m benchmarks.hub --length 4096              # swapped
+    python -m benchmarks.hub --length 4096 --keras-hub  # keras-hub's own
+
+The model is keras-hub's `Gemma3Backbone` (in a `Gemma3CausalLM`): 6
+layers, 5 local with a window of 512 and 1 global, hidden 256, 4 query
+heads and 1 key/value head of 64, query/key norms; B = 1. One step is
+`train_on_batch` (forward, backward of the mean cross-entropy, an SGD
+update), compiled as Keras compiles a model (`jit_compile=True`). The
+first step compiles and is not timed; the median of `--steps` more is
+printed, with the process's peak resident memory. Run each side in its
+own process, on an idle machine, and compare.
+"""
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+
+import numpy as np
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, WINDOW = 256, 256, 4, 1, 64, 512
+
+
+def model(swapped, jit_compile=True):
+    """The benchmark's causal LM, compiled; adopted when `swapped`."""
+    import keras
+    import keras_hub
+
+    import keras_mha
+
+    backbone = keras_hub.models.Gemma3Backbone(
+        vocabulary_size=VOCAB, image_size=16, num_layers=6,
+        num_query_heads=HEADS, num_key_value_heads=KV_HEADS,
+        hidden_dim=HIDDEN, intermediate_dim=2 * HIDDEN, head_dim=HEAD_DIM,
+        use_query_key_norm=True, use_sliding_window_attention=True,
+        sliding_window_size=WINDOW,
+    )
+    causal_lm = keras_hub.models.Gemma3CausalLM(backbone=backbone,
+                                                preprocessor=None)
+    if swapped:
+        keras_mha.adopt(causal_lm)
+    causal_lm.compile(
+        optimizer=keras.optimizers.SGD(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit_compile,
+    )
+    return causal_lm
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--keras-hub", action="store_true",
+                        help="keras-hub's own attention (not swapped)")
+    parser.add_argument("--no-jit", action="store_true",
+                        help="train eagerly (`jit_compile=False`)")
+    args = parser.parse_args(argv)
+    import keras
+
+    tokens = np.random.default_rng(0).integers(
+        3, VOCAB, size=(1, args.length + 1))
+    inputs = {"token_ids": tokens[:, :-1],
+              "padding_mask": np.ones((1, args.length), bool)}
+    causal_lm = model(swapped=not args.keras_hub,
+                      jit_compile=not args.no_jit)
+    start = time.perf_counter()
+    causal_lm.train_on_batch(inputs, tokens[:, 1:])
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        causal_lm.train_on_batch(inputs, tokens[:, 1:])
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB
+    side = "keras-hub" if args.keras_hub else "swapped"
+    print(f"{keras.backend.backend()} {side} T={args.length}: "
+          f"first step {first:.2f} s, median step "
+          f"{statistics.median(times):.3f} s, peak {peak:.2f} GiB")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
