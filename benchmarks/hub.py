@@ -12,6 +12,11 @@ update), compiled as Keras compiles a model (`jit_compile=True`). The
 first step compiles and is not timed; the median of `--steps` more is
 printed, with the process's peak resident memory. Run each side in its
 own process, on an idle machine, and compare.
+
+    python -m benchmarks.hub --swap-time
+
+times `adopt` itself on a 26-layer backbone shaped as Gemma 3 1B (hidden
+1,152, 4 query heads and 1 key/value head of 256).
 """
 
 import argparse
@@ -51,6 +56,24 @@ def model(swapped, jit_compile=True):
     return causal_lm
 
 
+def swap_time():
+    """Prints how long `adopt` takes on a 26-layer Gemma-3-1B-shaped
+    backbone."""
+    import keras_hub
+
+    import keras_mha
+
+    backbone = keras_hub.models.Gemma3Backbone(
+        vocabulary_size=VOCAB, image_size=16, num_layers=26,
+        num_query_heads=4, num_key_value_heads=1, hidden_dim=1152,
+        intermediate_dim=2 * 1152, head_dim=256, use_query_key_norm=True,
+        use_sliding_window_attention=True, sliding_window_size=WINDOW,
+    )
+    start = time.perf_counter()
+    keras_mha.adopt(backbone)
+    print(f"adopt, 26 layers: {time.perf_counter() - start:.3f} s")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=4096)
@@ -59,8 +82,13 @@ def main(argv=None):
                         help="keras-hub's own attention (not swapped)")
     parser.add_argument("--no-jit", action="store_true",
                         help="train eagerly (`jit_compile=False`)")
+    parser.add_argument("--swap-time", action="store_true",
+                        help="time `adopt` on a 26-layer backbone")
     args = parser.parse_args(argv)
     import keras
+
+    if args.swap_time:
+        return swap_time()
 
     tokens = np.random.default_rng(0).integers(
         3, VOCAB, size=(1, args.length + 1))

@@ -1,7 +1,7 @@
 """keras-hub's causal LMs on this library's attention: `adopt(model)`.
 
-Each decoder block of a keras-hub backbone holds its attention layer under
-`_self_attention_layer`. `adopt` reads every block's layer (its heads,
+Each decoder block of a keras-hub backbone holds its attention layer (under
+`_self_attention_layer`, or Gemma's `attention`). `adopt` reads every block's layer (its heads,
 rotary embedding, scale, norms, window and soft-cap, by the readers of
 `READERS`, keyed by the attention class's name), builds a `HubAttention`
 that takes over the layer's own projections (the same `EinsumDense`
@@ -30,6 +30,7 @@ from keras_mha import vllm
 from keras_mha.cached import CachedMultiHeadAttention
 from keras_mha.layer import MultiHeadAttention
 
+
 @keras.saving.register_keras_serializable(package="keras_mha")
 class HubAttention(CachedMultiHeadAttention):
     """A keras-hub decoder block's attention, computed by this library.
@@ -44,8 +45,11 @@ class HubAttention(CachedMultiHeadAttention):
         hidden_states: `(B, T, E)`.
         attention_mask: as for `CachedMultiHeadAttention`: the block's
             causal (and window, and padding) mask, `(B, T, S)`.
-        cache: `None` or `(B, 2, S, K, H)`.
+        cache: `None`, `(B, 2, S, K, H)`, or Gemma 3's pair of `(B, S, K,
+            H)` keys and values (returned as a pair).
         cache_update_index: with `cache`, the slot of the first new token.
+        cache_update_mask: Gemma 3's `(B, T)`: where false, a slot keeps
+            what it held.
         training: whether dropout is applied.
         causal, key_mask: what a swapped block's `CausalMask` stands for,
             set by `__call__`: causal self-attention over the keys that

@@ -159,6 +159,37 @@ def test_masks_are_structure(family, monkeypatch):
                                     key_mask=True) == "banded"
 
 
+def test_generate_traces_as_often_as_keras_hubs(monkeypatch):
+    """A second `generate` of the same shapes runs the attention's Python
+    as often for the swapped model as for keras-hub's: under a compiled
+    `generate` (JAX, TensorFlow) not at all, no new trace; eagerly
+    (torch), once a layer and step for both."""
+    counts = {}
+
+    def counting(cls, key):
+        call = cls.call
+
+        def spy(self, *args, **kwargs):
+            counts[key] = counts.get(key, 0) + 1
+            return call(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "call", spy)
+
+    theirs = _model("llama")
+    ours = keras_mha.adopt(_model("llama"))
+    counting(type(_attention(theirs.backbone.transformer_layers[0])),
+             "theirs")
+    counting(hub.HubAttention, "ours")
+    inputs = _inputs()
+    for model in (theirs, ours):
+        _generate(model, inputs)
+    counts.clear()
+    again = dict(inputs, token_ids=np.roll(inputs["token_ids"], 1, axis=1))
+    for model in (theirs, ours):
+        model.generate(again, stop_token_ids=None)  # compiled already
+    assert counts.get("ours", 0) == counts.get("theirs", 0), counts
+
+
 @pytest.mark.parametrize("family", NAMINGS)
 def test_save_and_load(family, tmp_path):
     """The saved model's weights sit at keras-hub's paths: it loads as
