@@ -19,7 +19,8 @@ from keras_mha import properties
 from keras_mha.attention import latent as latent_lib
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
-from keras_mha.properties import read_only as _read_only
+
+_read_only = properties.read_only
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
