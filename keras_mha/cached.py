@@ -12,8 +12,8 @@ import keras
 from keras import ops
 
 from keras_mha import checks
-from keras_mha import describe as describe_lib
 from keras_mha import heads as heads_lib
+from keras_mha import hooks
 from keras_mha import vllm
 from keras_mha.attention import attend
 from keras_mha.attention import cache as cache_lib
@@ -143,15 +143,8 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             v = layout.to_sequence(self._value_dense(value))  # (B', L, K, V)
             k = heads_lib.keys(self, k, offset)
             v = heads_lib.values(self, v)
-        spec = describe_lib.describe(
-            self,
-            None,
-            None,
-            layout.attention_mask(attention_mask, query, key, self._num_heads),
-            False,
-            training,
-            return_attention_scores,
-        )
+        spec = self._describe(query, key, attention_mask, training,
+                              return_attention_scores)
         if cache is not None:  # its cache is read whole on one device
             spec = spec.replace(sharding=None)
         # The position-following step, which reads the slots below the
@@ -209,31 +202,19 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             scores if return_attention_scores else None, cache,
         )
 
-    def compute_output_spec(
-        self,
-        query,
-        value,
-        key=None,
-        attention_mask=None,
-        cache=None,
-        cache_update_index=None,
-        return_attention_scores=False,
-        training=None,
-    ):
-        key = value if key is None else key
-        _check_call(
-            self, query, value, key, attention_mask, cache,
-            cache_update_index, return_attention_scores,
-        )
+    def compute_output_spec(self, *args, **kwargs):
+        call = hooks.call_arguments(CachedMultiHeadAttention.call,
+                                    _check_call, self, args, kwargs)
+        query, value, cache = call["query"], call["value"], call["cache"]
+        key = value if call["key"] is None else call["key"]
         query_shape, key_shape = tuple(query.shape), tuple(key.shape)
-        specs = [
-            keras.KerasTensor(
-                self.compute_output_shape(query_shape, tuple(value.shape),
-                                          key_shape),
-                dtype=self.compute_dtype,
-            )
-        ]
-        if return_attention_scores:
+        output = keras.KerasTensor(
+            self.compute_output_shape(query_shape, tuple(value.shape),
+                                      key_shape),
+            dtype=self.compute_dtype,
+        )
+        scores = None
+        if call["return_attention_scores"]:
             if cache is None:
                 layout = checks.input_shapes(
                     query_shape, tuple(value.shape), key_shape,
@@ -245,10 +226,10 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             else:
                 shape = (query_shape[0], self._num_heads, query_shape[1],
                          cache.shape[2])
-            specs.append(keras.KerasTensor(shape, dtype=self.compute_dtype))
+            scores = keras.KerasTensor(shape, dtype=self.compute_dtype)
         if cache is not None:
-            specs.append(keras.KerasTensor(cache.shape, dtype=cache.dtype))
-        return specs[0] if len(specs) == 1 else tuple(specs)
+            cache = keras.KerasTensor(cache.shape, dtype=cache.dtype)
+        return hooks.results(output, scores, cache)
 
     # ------------------------------------------------------------------ cache
 
@@ -274,11 +255,9 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             A `(B, 2, S, K, H)` tensor of zeros in the compute dtype, the
             layout of keras-hub's cache.
         """
-        checks.positive_int("batch_size", batch_size)
-        checks.positive_int("max_length", max_length)
-        checks.boolean("in_place", in_place)
+        slots = checks.cache_slots(self, batch_size, max_length, in_place)
         _check_cache_heads(self)
-        shape = (batch_size, 2, max_length, self._num_key_value_heads,
+        shape = (batch_size, 2, slots, self._num_key_value_heads,
                  self._key_dim)
         cache = ops.zeros(shape, dtype=self.compute_dtype)
         return cache_lib.mark_in_place(cache) if in_place else cache
@@ -302,9 +281,13 @@ def _check_cache_heads(layer):
 
 def _check_call(
     layer, query, value, key, attention_mask, cache, cache_update_index,
-    return_attention_scores,
+    return_attention_scores, training=None,
 ):
-    """Checks a call from shapes and dtypes alone (eager and symbolic)."""
+    """Checks a call from shapes and dtypes alone (eager and symbolic).
+
+    Takes every argument of the call; `training` needs no check.
+    """
+    key = value if key is None else key
     shapes, layout = checks.built_inputs(layer, query, value, key)
     checks.scores_and_flash(layer, return_attention_scores)
     key_shape = shapes["key"]

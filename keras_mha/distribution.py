@@ -1,16 +1,24 @@
-"""Model parallelism: a `keras.distribution.LayoutMap` for the attention heads.
+"""Attention over many devices: the heads sharded (`layout_map`), or the
+tokens of one sequence (`ContextParallel`).
 
+`layout_map` is a `keras.distribution.LayoutMap` for the attention heads.
 Heads are independent until the output projection, so sharding the head
 axis of every projection keeps each head's work on one shard: queries, keys
 and values are computed, attended and mixed locally, and only the output
-projection sums over the shards. This is the Megatron split of attention.
+projection sums over the shards. This is the Megatron split of attention,
+used with `keras.distribution.ModelParallel`.
 
-Used with `keras.distribution.ModelParallel` (JAX backend). Sharding does
-not change the function: the outputs and the gradients are those of one
-device.
+`ContextParallel` is a distribution that shards the tokens of one sequence
+over a context axis; the layers read it (`context_plan`) and attend on the
+routes of `keras_mha/attention/sharded.py`.
+
+Both run on the JAX backend, and neither changes the function: the outputs
+and the gradients are those of one device.
 """
 
 import keras
+
+import keras_mha.attention.capabilities as capabilities
 
 # Sublayers whose kernel is `(E, N|K, H|V)` and bias `(N|K, H|V)`: the head
 # axis is the kernel's second axis and the bias's first.
@@ -50,19 +58,8 @@ def layout_map(device_mesh, model_axis="model", layer_name=None, into=None):
         ValueError: if `model_axis` is not an axis of `device_mesh`, or
             `into` is on another mesh.
     """
-    if model_axis not in device_mesh.axis_names:
-        raise ValueError(
-            "`model_axis` must be an axis of `device_mesh`. Received: "
-            f"model_axis={model_axis!r}, "
-            f"device_mesh.axis_names={list(device_mesh.axis_names)}"
-        )
-    if into is None:
-        into = keras.distribution.LayoutMap(device_mesh)
-    elif into.device_mesh is not device_mesh:
-        raise ValueError(
-            "`into` must be a `LayoutMap` on `device_mesh`. Received: "
-            f"into.device_mesh={into.device_mesh}, device_mesh={device_mesh}"
-        )
+    _check_axis(device_mesh, "model_axis", model_axis)
+    into = _layout_map_on(device_mesh, "into", into)
     # `LayoutMap` full-matches its keys; the layer sits under any parents.
     prefix = f"(?:.*/)?(?:{layer_name or '[^/]+'})/"
     heads = f"(?:{'|'.join(_HEAD_PROJECTIONS)})"
@@ -72,6 +69,31 @@ def layout_map(device_mesh, model_axis="model", layer_name=None, into=None):
     into[f"{prefix}{heads}/bias"] = (model_axis,)  # (N|K, H|V)
     into[f"{prefix}attention_output/kernel"] = (model_axis,)  # (N, V, E)
     return into
+
+
+def _check_axis(device_mesh, argument, name):
+    """A `ValueError` unless `name` (the argument `argument`) is an axis of
+    `device_mesh`."""
+    names = list(device_mesh.axis_names)
+    if name not in names:
+        raise ValueError(
+            f"`{argument}` must be an axis of `device_mesh`. Received: "
+            f"{argument}={name!r}, device_mesh.axis_names={names}"
+        )
+
+
+def _layout_map_on(device_mesh, argument, layout_map):
+    """`layout_map` (the argument `argument`), a `LayoutMap` on
+    `device_mesh`, or a new one for `None`."""
+    if layout_map is None:
+        return keras.distribution.LayoutMap(device_mesh)
+    if layout_map.device_mesh is not device_mesh:
+        raise ValueError(
+            f"`{argument}` must be a `LayoutMap` on `device_mesh`. Received: "
+            f"{argument}.device_mesh={layout_map.device_mesh}, "
+            f"device_mesh={device_mesh}"
+        )
+    return layout_map
 
 
 class ContextParallel(keras.distribution.ModelParallel):
@@ -128,29 +150,15 @@ class ContextParallel(keras.distribution.ModelParallel):
 
     def __init__(self, device_mesh, context_dim_name="context",
                  batch_dim_name="batch", layout_map=None):
-        names = list(device_mesh.axis_names)
-        for argument, name in (("context_dim_name", context_dim_name),
-                               ("batch_dim_name", batch_dim_name)):
-            if name not in names:
-                raise ValueError(
-                    f"`{argument}` must be an axis of `device_mesh`. "
-                    f"Received: {argument}={name!r}, "
-                    f"device_mesh.axis_names={names}"
-                )
+        _check_axis(device_mesh, "context_dim_name", context_dim_name)
+        _check_axis(device_mesh, "batch_dim_name", batch_dim_name)
         if context_dim_name == batch_dim_name:
             raise ValueError(
                 "`context_dim_name` and `batch_dim_name` must differ. "
                 f"Received: context_dim_name={context_dim_name!r}, "
                 f"batch_dim_name={batch_dim_name!r}"
             )
-        if layout_map is None:
-            layout_map = keras.distribution.LayoutMap(device_mesh)
-        elif layout_map.device_mesh is not device_mesh:
-            raise ValueError(
-                "`layout_map` must be a `LayoutMap` on `device_mesh`. "
-                f"Received: layout_map.device_mesh={layout_map.device_mesh}, "
-                f"device_mesh={device_mesh}"
-            )
+        layout_map = _layout_map_on(device_mesh, "layout_map", layout_map)
         super().__init__(layout_map=layout_map, batch_dim_name=batch_dim_name)
         self._context_dim_name = context_dim_name
 
@@ -187,12 +195,11 @@ def context_plan():
     distribution = keras.distribution.distribution()
     if not isinstance(distribution, ContextParallel):
         return None
-    backend = keras.backend.backend()
-    if backend != "jax":
+    if not capabilities.has_distribution_api():
         raise NotImplementedError(
             "`keras_mha.ContextParallel` runs on the JAX backend only: "
             "Keras's distribution API is JAX-only. Received: "
-            f"backend={backend!r}"
+            f"backend={capabilities.backend_name()!r}"
         )
     from keras_mha.attention.sharded import ContextPlan
 
@@ -215,7 +222,7 @@ def shard_cache(cache):
     distribution = keras.distribution.distribution()
     if (
         not isinstance(distribution, ContextParallel)
-        or keras.backend.backend() != "jax"
+        or not capabilities.has_distribution_api()
         or cache[0].shape[1] % distribution.context_size
     ):
         return cache

@@ -4,6 +4,7 @@ constructor and config of `keras.layers.GroupQueryAttention`."""
 import keras
 
 from keras_mha import checks
+from keras_mha import properties
 from keras_mha.layer import MultiHeadAttention
 
 _MHA_ONLY_ARGUMENTS = (
@@ -104,13 +105,8 @@ class GroupedQueryAttention(MultiHeadAttention):
             **kwargs,
         )
 
-    @property
-    def head_dim(self):
-        return self._key_dim
-
-    @property
-    def num_query_heads(self):
-        return self._num_heads
+    head_dim = properties.read_only("_key_dim")
+    num_query_heads = properties.read_only("_num_heads")
 
     # Keras's `GroupQueryAttention` spells its equations with the queries
     # first and the key/value heads repeated to `N` (`u`); its scale is

@@ -62,91 +62,67 @@ class Family:
         refused: why the family cannot be imported, or `None`.
     """
 
-    window: str = "auto"
-    rope_layers: str = None
+    window: str | None = "auto"
+    rope_layers: str | None = None
     partial_rotary: bool = False
     interleaved: bool = False
     reversed_rotation: bool = False
-    scale: float = None
+    scale: float | None = None
     fused_layout: str = "contiguous"
-    query_gate: str = None
-    separate_gate: bool = False
+    query_gate: str | None = None
+    separate_gate: bool | str = False
     temperature: bool = False
     norms_after_rope: bool = False
     alibi: bool = False
-    refused: str = None
+    refused: str | None = None
 
 
 DEFAULT = Family()
 
-
-def _refused(reason):
-    return Family(refused=reason)
-
-
-_PARTIAL = Family(partial_rotary=True)
-_INTERLEAVED = Family(interleaved=True)
-_PARTIAL_INTERLEAVED = Family(partial_rotary=True, interleaved=True)
-# Rotary embeddings on the sliding layers only, windows by layer type
-# though the modules hold a window on every layer.
-_ROPE_WHERE_SLIDING = Family(window="layer_types", rope_layers="sliding")
-_GATED_QUERY = Family(partial_rotary=True, query_gate="per_head")
-_SEPARATE_GATE = Family(separate_gate=True)
-_NORMS_AFTER_ROPE = Family(norms_after_rope=True)
-
-FAMILIES = {
-    "afmoe": Family(separate_gate=True, rope_layers="sliding"),
-    "bamba": _PARTIAL,
-    "beam": Family(separate_gate=True, rope_layers="sliding"),
+# Each family once, with the `model_type`s that compute as it does.
+_TABLE = (
+    (Family(partial_rotary=True),
+     ("bamba", "glm4_moe", "mimo_v2_flash", "nemotron", "phi",
+      "recurrent_gemma", "stablelm")),
+    (Family(interleaved=True),
+     ("cohere", "deepseek_v2", "ernie4_5", "ernie4_5_moe", "gptj", "helium")),
+    (Family(partial_rotary=True, interleaved=True), ("glm", "glm4")),
+    (Family(partial_rotary=True, fused_layout="per_head"),
+     ("gpt_neox", "gpt_neox_japanese", "persimmon")),
+    (Family(partial_rotary=True, query_gate="per_head"),
+     ("qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")),
+    (Family(separate_gate=True), ("hrm_text", "lfm3")),
+    (Family(separate_gate=True, rope_layers="sliding"), ("afmoe", "beam")),
+    (Family(rope_layers="sliding"), ("flint", "lara_mini")),
+    (Family(rope_layers="sliding", interleaved=True),
+     ("cohere2", "cohere2_moe", "ergo")),
+    # Rotary embeddings on the sliding layers only, windows by layer type
+    # though the modules hold a window on every layer.
+    (Family(window="layer_types", rope_layers="sliding"),
+     ("exaone4", "exaone_moe", "kolibri1")),
+    (Family(norms_after_rope=True), ("hunyuan_v1_dense", "hunyuan_v1_moe")),
     # BLOOM's module adds its block's residual to its output; the layer is
     # the attention without it, as for a BERT-style block.
-    "bloom": Family(alibi=True, fused_layout="per_head"),
-    "codegen": Family(interleaved=True, fused_layout="model_parallel"),
-    "cohere": _INTERLEAVED,
-    "cohere2": Family(rope_layers="sliding", interleaved=True),
-    "cohere2_moe": Family(rope_layers="sliding", interleaved=True),
-    "deepseek_v2": _INTERLEAVED,
-    "diffllama": _refused("differential attention (two softmaxes, "
-                          "subtracted)"),
-    "ergo": Family(rope_layers="sliding", interleaved=True),
-    "ernie4_5": _INTERLEAVED,
-    "ernie4_5_moe": _INTERLEAVED,
-    "exaone4": _ROPE_WHERE_SLIDING,
-    "exaone_moe": _ROPE_WHERE_SLIDING,
-    "flint": Family(rope_layers="sliding"),
-    "glm": _PARTIAL_INTERLEAVED,
-    "glm4": _PARTIAL_INTERLEAVED,
-    "glm4_moe": _PARTIAL,
-    "gpt_neo": Family(window="attention_type", scale=1.0),
-    "gpt_neox": Family(partial_rotary=True, fused_layout="per_head"),
-    "gpt_neox_japanese": Family(partial_rotary=True, fused_layout="per_head"),
-    "gptj": _INTERLEAVED,
-    "helium": _INTERLEAVED,
-    "hrm_text": _SEPARATE_GATE,
-    "hunyuan_v1_dense": _NORMS_AFTER_ROPE,
-    "hunyuan_v1_moe": _NORMS_AFTER_ROPE,
-    "kolibri1": _ROPE_WHERE_SLIDING,
-    "laguna": Family(separate_gate="softplus", partial_rotary=True),
-    "lara_mini": Family(rope_layers="sliding"),
-    "lfm3": _SEPARATE_GATE,
-    "llama4_text": Family(rope_layers="no_rope_layers", interleaved=True,
-                          temperature=True),
-    "mimo_v2_flash": _PARTIAL,
-    "minicpm5_moe": Family(query_gate="per_head"),
-    "mistral": Family(window="config"),
-    "mpt": Family(alibi=True),
-    "nanochat": Family(reversed_rotation=True),
-    "nemotron": _PARTIAL,
-    "persimmon": Family(partial_rotary=True, fused_layout="per_head"),
-    "phi": _PARTIAL,
-    "phi3": Family(window="config", partial_rotary=True),
-    "qwen3_5_moe_text": _GATED_QUERY,
-    "qwen3_5_text": _GATED_QUERY,
-    "qwen3_next": _GATED_QUERY,
-    "recurrent_gemma": _PARTIAL,
-    "roformer": Family(rope_layers="every", interleaved=True),
-    "smollm3": Family(rope_layers="no_rope_layers"),
-    "stablelm": _PARTIAL,
+    (Family(alibi=True, fused_layout="per_head"), ("bloom",)),
+    (Family(alibi=True), ("mpt",)),
+    (Family(interleaved=True, fused_layout="model_parallel"), ("codegen",)),
+    (Family(refused="differential attention (two softmaxes, subtracted)"),
+     ("diffllama",)),
+    (Family(window="attention_type", scale=1.0), ("gpt_neo",)),
+    (Family(window="config"), ("mistral",)),
+    (Family(window="config", partial_rotary=True), ("phi3",)),
+    (Family(separate_gate="softplus", partial_rotary=True), ("laguna",)),
+    (Family(rope_layers="no_rope_layers"), ("smollm3",)),
+    (Family(rope_layers="no_rope_layers", interleaved=True, temperature=True),
+     ("llama4_text",)),
+    (Family(rope_layers="every", interleaved=True), ("roformer",)),
+    (Family(query_gate="per_head"), ("minicpm5_moe",)),
+    (Family(reversed_rotation=True), ("nanochat",)),
+)
+FAMILIES = {
+    model_type: family
+    for family, model_types in _TABLE
+    for model_type in model_types
 }
 
 

@@ -1,8 +1,9 @@
-"""Weight import of `transformers`' multi-head latent attention (DeepSeek
-V2 and V3, and the families built on them: a module with
-`kv_a_proj_with_mqa`) into `keras_mha.MultiHeadLatentAttention`;
-`huggingface.from_transformers` sends such modules here. Nothing here
-imports `transformers`.
+"""Weight import: `transformers`' multi-head latent attention ->
+`keras_mha.MultiHeadLatentAttention`.
+
+DeepSeek V2 and V3, and the families built on them: a module with
+`kv_a_proj_with_mqa`; `huggingface.from_transformers` sends such modules
+here. Nothing here imports `transformers`.
 """
 
 import numpy as np
@@ -40,9 +41,13 @@ def from_transformers(module, name, family, config, **layer_kwargs):
     hidden_size = int(config.hidden_size)
     q_rank = module.q_lora_rank
     q_rank = None if q_rank is None else int(q_rank)
-    rank = int(module.kv_lora_rank)
-    nope, rope = int(module.qk_nope_head_dim), int(module.qk_rope_head_dim)
-    v_dim = int(module.v_head_dim)
+    # The module's sizes, which the layer's arguments name as it does.
+    sizes = {
+        size: int(getattr(module, size))
+        for size in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim")
+    }
+    rank, nope, rope, v_dim = sizes.values()
     use_bias = bool(getattr(config, "attention_bias", False))
     rotary = None  # NoPE (Kimi Linear): the rope part of a key unturned
     if "position_embeddings" in hf_structure.forward_parameters(module):
@@ -53,10 +58,7 @@ def from_transformers(module, name, family, config, **layer_kwargs):
         )
     fixed = dict(
         num_heads=num_heads,
-        kv_lora_rank=rank,
-        qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope,
-        v_head_dim=v_dim,
+        **sizes,
         q_lora_rank=q_rank,
         rotary_embedding=rotary,
         scale=float(module.scaling),
@@ -64,11 +66,8 @@ def from_transformers(module, name, family, config, **layer_kwargs):
         norm_epsilon=float(module.kv_a_layernorm.variance_epsilon),
         sliding_window=None,
     )
-    hf_structure.check_fixed_kwargs(layer_kwargs, name, fixed)
-    hf_structure.default_dropout(layer_kwargs, config)
-    layer = MultiHeadLatentAttention(**{**layer_kwargs, **fixed})
-    shape = (None, None, hidden_size)
-    layer.build(shape, shape)
+    layer = hf_structure.built_layer(MultiHeadLatentAttention, fixed,
+                                     layer_kwargs, name, config, hidden_size)
 
     def weights(dense, kernel_shape, bias_shape=None):
         # torch: y = x @ W.T + b.

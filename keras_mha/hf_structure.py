@@ -525,6 +525,19 @@ def forward_parameters(module):
         return {}
 
 
+def built_layer(layer_class, fixed, layer_kwargs, name, config, hidden_size):
+    """`layer_class(**layer_kwargs, **fixed)`, built for inputs of
+    `hidden_size` features: `fixed` holds what the module fixes (a
+    `layer_kwargs` entry must agree: `check_fixed_kwargs`), and `dropout`
+    is the config's unless given."""
+    check_fixed_kwargs(layer_kwargs, name, fixed)
+    default_dropout(layer_kwargs, config)
+    layer = layer_class(**{**layer_kwargs, **fixed})
+    shape = (None, None, hidden_size)
+    layer.build(shape, shape)
+    return layer
+
+
 def default_dropout(layer_kwargs, config):
     """The config's attention dropout, unless `dropout` is passed (a config
     may have none: Ernie 4.5, Mllama)."""

@@ -4,8 +4,11 @@
 converts them (`checks.argument_kinds`), and `quantize` quantizes the
 projections (`projections.quantize`), where Keras's attention layer raises
 `NotImplementedError`. With Keras's private names (`KerasPrivateNames`),
-the layer's bases.
+the layer's bases. `compute_output_spec` reads the arguments of `call`
+(`call_arguments`), and both return their results as `results` does.
 """
+
+import inspect
 
 from keras_mha import checks
 from keras_mha import projections
@@ -20,3 +23,28 @@ class LayerHooks(KerasPrivateNames):
         return super().__call__(*args, **kwargs)
 
     quantize = projections.quantize
+
+
+def call_arguments(call, check, layer, args, kwargs):
+    """The arguments of `call(layer, *args, **kwargs)` by name, defaults
+    filled in, checked by `check(layer, **arguments)`.
+
+    Keras calls `compute_output_spec` with the arguments of `call`; a
+    layer's `compute_output_spec(*args, **kwargs)` reads them here, so the
+    signature is written once, on `call` (named by its class: a subclass
+    may call its own differently), and they are checked as `call` checks
+    them.
+    """
+    bound = inspect.signature(call).bind(layer, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    del arguments["self"]
+    check(layer, **arguments)
+    return arguments
+
+
+def results(output, *extras):
+    """A call's results: `output`, then each of `extras` (the scores, the
+    cache) that is not `None`; `output` alone when none is."""
+    extras = tuple(x for x in extras if x is not None)
+    return (output, *extras) if extras else output

@@ -212,10 +212,8 @@ def from_transformers(module, config=None, **layer_kwargs):
     )
     if host.output_shape(layer_kwargs.get("output_shape")) == (hidden_size,):
         del layer_kwargs["output_shape"]  # the default: the input's size
-    hf_structure.check_fixed_kwargs(layer_kwargs, name, fixed)
-    hf_structure.default_dropout(layer_kwargs, config)
-    layer = MultiHeadAttention(**{**layer_kwargs, **fixed})
-    layer.build((None, None, hidden_size), (None, None, hidden_size))
+    layer = hf_structure.built_layer(MultiHeadAttention, fixed, layer_kwargs,
+                                     name, config, hidden_size)
 
     def weights(projection, kernel_shape, bias_shape):
         # torch: y = x @ W.T + b; head n is features n*H:(n+1)*H.
@@ -227,25 +225,21 @@ def from_transformers(module, config=None, **layer_kwargs):
             return [kernel, np.zeros(bias_shape, kernel.dtype)]
         return [kernel, dense.bias.reshape(bias_shape)]
 
-    query_heads = (num_heads, head_dim)
-    key_heads = (num_kv_heads, head_dim)
-    value_heads = (num_kv_heads, value_dim)
-    output_heads = (num_heads, value_dim)
-    layer.query_dense.set_weights(
-        weights("query", (hidden_size, *query_heads), query_heads)
-    )  # (E, N, H), (N, H)
-    layer.key_dense.set_weights(
-        weights("key", (hidden_size, *key_heads), key_heads)
-    )  # (E, K, H), (K, H)
-    if structure.gate is not None:
-        layer._gate_dense.set_weights(
-            weights("gate", (hidden_size, *output_heads), output_heads)
-        )  # (E, N, V), (N, V)
-    layer.value_dense.set_weights(
-        weights("value", (hidden_size, *value_heads), value_heads)
-    )  # (E, K, V), (K, V)
+    # Kernels `(E, heads, size)` and biases `(heads, size)`, in Keras's
+    # order of the projections.
+    heads = {
+        "query": (num_heads, head_dim),
+        "key": (num_kv_heads, head_dim),
+        "gate": (num_heads, value_dim),
+        "value": (num_kv_heads, value_dim),
+    }
+    for projection, shape in heads.items():
+        if projection != "gate" or structure.gate is not None:
+            getattr(layer, f"_{projection}_dense").set_weights(
+                weights(projection, (hidden_size, *shape), shape)
+            )
     layer.output_dense.set_weights(
-        weights("output", (*output_heads, hidden_size), (hidden_size,))
+        weights("output", (num_heads, value_dim, hidden_size), (hidden_size,))
     )  # (N, V, E), (E,)
     if structure.sinks is not None:
         layer.sinks.assign(structure.sinks)  # (N,)

@@ -14,17 +14,26 @@ from keras_mha import checks
 from keras_mha.checks import latent as latent_checks
 from keras_mha import describe as describe_lib
 from keras_mha import distribution as distribution_lib
+from keras_mha import hooks
 from keras_mha import projections
 from keras_mha import properties
 from keras_mha.attention import latent as latent_lib
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
 
-_read_only = properties.read_only
+# The constructor's settings kept as `self._<name>`: the config's entries
+# and read-only properties.
+_SETTINGS = (
+    "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "q_lora_rank", "use_bias", "norm_epsilon", "dropout",
+    "sliding_window",
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
-class MultiHeadLatentAttention(keras.layers.Layer):
+@properties.with_read_only(*_SETTINGS, "rotary_embedding",
+                           attn_logits_soft_cap="_soft_cap")
+class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
     """Multi-head latent attention (MLA, DeepSeek-V2, arXiv 2405.04434).
 
     Keys and values come from one compressed latent per token: the input
@@ -121,6 +130,8 @@ class MultiHeadLatentAttention(keras.layers.Layer):
         T)` (the cache's `L` slots before the call, then the new tokens).
     """
 
+    _config_names = _SETTINGS  # `properties.Configured.get_config`
+
     def __init__(
         self,
         num_heads,
@@ -188,48 +199,7 @@ class MultiHeadLatentAttention(keras.layers.Layer):
         self._use_alibi = False
         self.sinks = None
 
-    num_heads = _read_only("_num_heads")
-    kv_lora_rank = _read_only("_kv_lora_rank")
-    qk_nope_head_dim = _read_only("_qk_nope_head_dim")
-    qk_rope_head_dim = _read_only("_qk_rope_head_dim")
-    v_head_dim = _read_only("_v_head_dim")
-    q_lora_rank = _read_only("_q_lora_rank")
-    rotary_embedding = _read_only("_rotary_embedding")
-    scale = _read_only("_scale", "The logit scale, resolved.")
-    use_bias = _read_only("_use_bias")
-    norm_epsilon = _read_only("_norm_epsilon")
-    dropout = _read_only("_dropout")
-    sliding_window = _read_only("_sliding_window")
-    attn_logits_soft_cap = _read_only("_soft_cap")
-
-    def get_config(self):
-        config = {
-            "num_heads": self._num_heads,
-            "kv_lora_rank": self._kv_lora_rank,
-            "qk_nope_head_dim": self._qk_nope_head_dim,
-            "qk_rope_head_dim": self._qk_rope_head_dim,
-            "v_head_dim": self._v_head_dim,
-            "q_lora_rank": self._q_lora_rank,
-            "rotary_embedding": properties.serialized(self._rotary_embedding),
-            "scale": self._given_scale,
-            "use_bias": self._use_bias,
-            "norm_epsilon": self._norm_epsilon,
-            "dropout": self._dropout,
-            "sliding_window": self._sliding_window,
-            "attn_logits_soft_cap": self._soft_cap,
-            "kernel_initializer": keras.initializers.serialize(
-                self._kernel_initializer
-            ),
-            "bias_initializer": keras.initializers.serialize(
-                self._bias_initializer
-            ),
-            "seed": self.seed,
-        }
-        return {**super().get_config(), **config}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**properties.with_layers(config))
+    scale = properties.read_only("_scale", "The logit scale, resolved.")
 
     # ------------------------------------------------------------------ build
 
@@ -276,17 +246,12 @@ class MultiHeadLatentAttention(keras.layers.Layer):
         return self._qk_nope_head_dim + self._qk_rope_head_dim
 
     def _dense(self, equation, output_shape, name, bias_axes):
-        def clone(initializer):
-            return initializer.__class__.from_config(initializer.get_config())
-
         return projections.Projection(
             equation,
             output_shape=output_shape,
             bias_axes=bias_axes if self._use_bias else None,
             name=name,
-            kernel_initializer=clone(self._kernel_initializer),
-            bias_initializer=clone(self._bias_initializer),
-            dtype=self.dtype_policy,
+            **projections.sublayer_kwargs(self),
         )
 
     def _norm(self, name, size):
@@ -358,12 +323,12 @@ class MultiHeadLatentAttention(keras.layers.Layer):
             lambda: self._kv_b.kernel, nope, how, cache, cache_update_index,
             self.rolling_cache,
         )
-        results = [self._output_dense(context)]
         if return_attention_scores:
-            results.append(ops.cast(scores, self.compute_dtype))
-        if cache is not None:
-            results.append(new_cache)
-        return results[0] if len(results) == 1 else tuple(results)
+            scores = ops.cast(scores, self.compute_dtype)
+        return hooks.results(
+            self._output_dense(context),
+            scores if return_attention_scores else None, new_cache,
+        )
 
     def computation(self, query_length=1, cache=False, cache_update_index=None,
                     return_attention_scores=False, training=False):
@@ -420,10 +385,7 @@ class MultiHeadLatentAttention(keras.layers.Layer):
             returns a new cache; with `in_place=True` an eager call writes
             the new slots into the cache's own tensors.
         """
-        checks.positive_int("batch_size", batch_size)
-        checks.positive_int("max_length", max_length)
-        checks.boolean("in_place", in_place)
-        slots = self._rolling_slots if self.rolling_cache else max_length
+        slots = checks.cache_slots(self, batch_size, max_length, in_place)
         return distribution_lib.shard_cache(latent_lib.zeros(
             batch_size, slots, self._kv_lora_rank, self._qk_rope_head_dim,
             self.compute_dtype, in_place))
@@ -435,40 +397,28 @@ class MultiHeadLatentAttention(keras.layers.Layer):
         latent_checks.shapes(query_shape, tuple(value_shape))
         return query_shape
 
-    def compute_output_spec(
-        self,
-        query,
-        value,
-        key=None,
-        query_mask=None,
-        value_mask=None,
-        key_mask=None,
-        attention_mask=None,
-        return_attention_scores=False,
-        training=None,
-        use_causal_mask=False,
-        cache=None,
-        cache_update_index=None,
-    ):
-        latent_checks.call(self, query, value, key, query_mask, value_mask,
-                           key_mask, attention_mask, use_causal_mask, cache,
-                           cache_update_index)
-        specs = [keras.KerasTensor(tuple(query.shape),
-                                   dtype=self.compute_dtype)]
-        if return_attention_scores:
+    def compute_output_spec(self, *args, **kwargs):
+        call = hooks.call_arguments(MultiHeadLatentAttention.call,
+                                    latent_checks.call, self, args, kwargs)
+        query, value, cache = call["query"], call["value"], call["cache"]
+        scores = None
+        if call["return_attention_scores"]:
             keys = value.shape[1]
             if cache is not None:
                 keys = None if keys is None else cache[0].shape[1] + keys
-            specs.append(keras.KerasTensor(
+            scores = keras.KerasTensor(
                 (query.shape[0], self._num_heads, query.shape[1], keys),
                 dtype=self.compute_dtype,
-            ))
+            )
         if cache is not None:
-            specs.append(tuple(
+            cache = tuple(
                 keras.KerasTensor(part.shape, dtype=part.dtype)
                 for part in cache
-            ))
-        return specs[0] if len(specs) == 1 else tuple(specs)
+            )
+        return hooks.results(
+            keras.KerasTensor(tuple(query.shape), dtype=self.compute_dtype),
+            scores, cache,
+        )
 
 
 def _bool(mask):

@@ -13,6 +13,7 @@ from keras_mha import checks
 from keras_mha import describe as describe_lib
 from keras_mha import distribution as distribution_lib
 from keras_mha import heads as heads_lib
+from keras_mha import hooks
 from keras_mha import projections
 from keras_mha import properties
 from keras_mha.attention import attend
@@ -20,13 +21,29 @@ from keras_mha.attention import attend_cached
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
-from keras_mha.hooks import LayerHooks
 
 _read_only = properties.read_only
 
+# The constructor's settings kept as `self._<name>`: the config's entries,
+# in its order, and read-only properties as in Keras but for `use_gate` and
+# `output_shape` (`Functional.summary()` reads a layer's `output_shape`).
+_SETTINGS = (
+    "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "use_gate",
+    "output_shape", "attention_axes", "sliding_window", "flash_attention",
+    "num_key_value_heads", "attention_chunk_size", "use_sinks", "use_alibi",
+    "qk_norm", "qk_norm_scope", "qk_norm_epsilon", "query_temperature",
+    "qk_norm_after_rope", "value_norm", "qkv_clip", "gate_activation",
+)
+
 
 @keras.saving.register_keras_serializable(package="keras_mha")
-class MultiHeadAttention(LayerHooks, keras.layers.Layer):
+@properties.with_read_only(
+    *(name for name in _SETTINGS if name not in ("use_gate", "output_shape")),
+    "rotary_embedding", "query_dense", "key_dense", "value_dense",
+    "output_dense", attn_logits_soft_cap="_soft_cap",
+)
+class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
+                         keras.layers.Layer):
     """Multi-head attention, a drop-in for `keras.layers.MultiHeadAttention`.
 
     Projects `query`, `key` and `value` into heads, attends, concatenates the
@@ -159,42 +176,21 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         `L` cached slots, then the new tokens.
     """
 
+    _config_names = _SETTINGS  # `properties.Configured.get_config`
+
     def __init__(
-        self,
-        num_heads,
-        key_dim,
-        value_dim=None,
-        dropout=0.0,
-        use_bias=True,
-        output_shape=None,
-        attention_axes=None,
-        sliding_window=None,
-        flash_attention=None,
-        kernel_initializer="glorot_uniform",
-        bias_initializer="zeros",
-        kernel_regularizer=None,
-        bias_regularizer=None,
-        activity_regularizer=None,
-        kernel_constraint=None,
-        bias_constraint=None,
-        use_gate=False,
-        seed=None,
-        num_key_value_heads=None,
-        rotary_embedding=None,
-        scale=None,
-        attn_logits_soft_cap=None,
-        use_sinks=False,
-        use_alibi=False,
-        attention_chunk_size=None,
-        qk_norm=None,
-        qk_norm_scope="head",
-        qk_norm_epsilon=1e-6,
-        query_temperature=None,
-        qk_norm_after_rope=False,
-        value_norm=False,
-        qkv_clip=None,
-        gate_activation="sigmoid",
-        **kwargs,
+        self, num_heads, key_dim, value_dim=None, dropout=0.0, use_bias=True,
+        output_shape=None, attention_axes=None, sliding_window=None,
+        flash_attention=None, kernel_initializer="glorot_uniform",
+        bias_initializer="zeros", kernel_regularizer=None,
+        bias_regularizer=None, activity_regularizer=None,
+        kernel_constraint=None, bias_constraint=None, use_gate=False,
+        seed=None, num_key_value_heads=None, rotary_embedding=None,
+        scale=None, attn_logits_soft_cap=None, use_sinks=False,
+        use_alibi=False, attention_chunk_size=None, qk_norm=None,
+        qk_norm_scope="head", qk_norm_epsilon=1e-6, query_temperature=None,
+        qk_norm_after_rope=False, value_norm=False, qkv_clip=None,
+        gate_activation="sigmoid", **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
         key_dim = checks.positive_int("key_dim", key_dim)
@@ -259,74 +255,16 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         self._query_norm = self._key_norm = None  # `HeadNorm`s, built
         self._adopted = {}  # built projections by name, for `build`
 
-    # Read-only as in Keras; not `output_shape` (`Functional.summary()`).
-    num_heads = _read_only("_num_heads")
-    num_key_value_heads = _read_only("_num_key_value_heads")
-    key_dim = _read_only("_key_dim")
-    value_dim = _read_only("_value_dim")
-    dropout = _read_only("_dropout")
-    use_bias = _read_only("_use_bias")
-    attention_axes = _read_only("_attention_axes")
-    sliding_window = _read_only("_sliding_window")
-    attention_chunk_size = _read_only("_attention_chunk_size")
-    flash_attention = _read_only("_flash_attention")
-    rotary_embedding = _read_only("_rotary_embedding")
+    # Read-only as in Keras (the others: `with_read_only` above).
     scale = _read_only("_scale", "The logit scale; `1 / sqrt(key_dim)` if unset.")
-    attn_logits_soft_cap = _read_only("_soft_cap")
-    use_sinks = _read_only("_use_sinks")
-    use_alibi = _read_only("_use_alibi")
-    qk_norm = _read_only("_qk_norm")
-    qk_norm_scope = _read_only("_qk_norm_scope")
-    qk_norm_epsilon = _read_only("_qk_norm_epsilon")
-    qk_norm_after_rope = _read_only("_qk_norm_after_rope")
-    value_norm = _read_only("_value_norm")
-    qkv_clip = _read_only("_qkv_clip")
-    gate_activation = _read_only("_gate_activation")
-    query_temperature = _read_only("_query_temperature")
     query_norm = _read_only("_query_norm", "`qk_norm='rms'` or `'layer'`.")
     key_norm = _read_only("_key_norm", "`qk_norm='rms'` or `'layer'`.")
-    query_dense = _read_only("_query_dense")
-    key_dense = _read_only("_key_dense")
-    value_dense = _read_only("_value_dense")
-    output_dense = _read_only("_output_dense")
 
     @property
     def sinks(self):
         """The `(num_heads,)` sink logits (`use_sinks=True`, once built)."""
         holder = getattr(self, "_sinks_layer", None)
         return None if holder is None else holder.sinks
-
-    def get_config(self):
-        names = (
-            "num_heads", "key_dim", "value_dim", "dropout", "use_bias",
-            "use_gate", "output_shape", "attention_axes", "sliding_window",
-            "flash_attention", "num_key_value_heads", "attention_chunk_size",
-            "use_sinks", "use_alibi", "qk_norm", "qk_norm_scope",
-            "qk_norm_epsilon", "query_temperature", "qk_norm_after_rope",
-            "value_norm", "qkv_clip", "gate_activation",
-        )
-        config = {name: getattr(self, f"_{name}") for name in names}
-        for kind, module in (
-            ("initializer", keras.initializers),
-            ("regularizer", keras.regularizers),
-            ("constraint", keras.constraints),
-        ):
-            for name in ("kernel", "bias", "activity"):
-                if hasattr(self, f"_{name}_{kind}"):
-                    config[f"{name}_{kind}"] = module.serialize(
-                        getattr(self, f"_{name}_{kind}")
-                    )
-        config.update(
-            seed=self.seed,
-            rotary_embedding=properties.serialized(self._rotary_embedding),
-            scale=self._given_scale,
-            attn_logits_soft_cap=self._soft_cap,
-        )
-        return {**super().get_config(), **config}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**properties.with_layers(config))
 
     # ------------------------------------------------------------------ build
 
@@ -378,21 +316,10 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
     # ------------------------------------------------------------------- call
 
     def call(
-        self,
-        query,
-        value,
-        key=None,
-        query_mask=None,
-        value_mask=None,
-        key_mask=None,
-        attention_mask=None,
-        return_attention_scores=False,
-        training=None,
-        use_causal_mask=False,
-        cache=None,
-        cache_update_index=None,
-        attention_bias=None,
-        segment_ids=None,
+        self, query, value, key=None, query_mask=None, value_mask=None,
+        key_mask=None, attention_mask=None, return_attention_scores=False,
+        training=None, use_causal_mask=False, cache=None,
+        cache_update_index=None, attention_bias=None, segment_ids=None,
         key_segment_ids=None,
     ):
         if key is None:
@@ -418,17 +345,11 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         k = heads_lib.keys(self, k, start, key_tokens)
         v = heads_lib.values(self, v, key_tokens)
 
-        spec = describe_lib.describe(
-            self,
-            query_tokens,
-            key_tokens,
-            layout.attention_mask(attention_mask, query, key, self._num_heads),
-            use_causal_mask,
-            training,
-            return_attention_scores,
-            attention_bias,
-            segment_ids,
-            key_segment_ids,
+        spec = self._describe(
+            query, key, attention_mask, training, return_attention_scores,
+            query_tokens, key_tokens, use_causal_mask,
+            attention_bias=attention_bias, segment_ids=segment_ids,
+            key_segment_ids=key_segment_ids,
         )
         new_cache = None
         if cache is None:
@@ -444,19 +365,29 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
             scores = None
         return self._project_back(context, gate, query, scores, new_cache)
 
+    def _describe(self, query, key, attention_mask, training,
+                  return_attention_scores, query_tokens=None, key_tokens=None,
+                  use_causal_mask=False, **features):
+        """The call's `AttentionSpec` (`describe.describe`), with the dense
+        mask laid out as the heads are; `features`: `attention_bias`,
+        `segment_ids`, `key_segment_ids`."""
+        dense_mask = self._layout.attention_mask(attention_mask, query, key,
+                                                 self._num_heads)
+        return describe_lib.describe(
+            self, query_tokens, key_tokens, dense_mask, use_causal_mask,
+            training, return_attention_scores, **features,
+        )
+
     def _project_back(self, context, gate, query, scores=None, cache=None):
         """`(B', T, N, V)` context -> the call's results: the output, then
         the scores (in the returned layout) and the cache when given."""
         context = self._layout.from_sequence(context, query)  # (B, ..., N, V)
         if gate is not None:
             context = ops.multiply(context, gate)
-        # The output carries the query's Keras mask: `Layer.__call__` sets it.
-        results = [self._output_dense(context)]
         if scores is not None:
-            results.append(ops.cast(scores, self.compute_dtype))
-        if cache is not None:
-            results.append(cache)
-        return results[0] if len(results) == 1 else tuple(results)
+            scores = ops.cast(scores, self.compute_dtype)
+        # The output carries the query's Keras mask: `Layer.__call__` sets it.
+        return hooks.results(self._output_dense(context), scores, cache)
 
     def attention_path(
         self,
@@ -543,10 +474,7 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
         in-place cache. Traced (`jax.jit`, `tf.function`), writes are
         functional in both modes and XLA reuses donated buffers.
         """
-        checks.positive_int("batch_size", batch_size)
-        checks.positive_int("max_length", max_length)
-        checks.boolean("in_place", in_place)
-        slots = self._rolling_slots if self.rolling_cache else max_length
+        slots = checks.cache_slots(self, batch_size, max_length, in_place)
         return distribution_lib.shard_cache(cache_lib.zeros(
             batch_size, slots, self._num_key_value_heads, self._key_dim,
             self._value_dim, self.compute_dtype, in_place=in_place,
@@ -565,29 +493,20 @@ class MultiHeadAttention(LayerHooks, keras.layers.Layer):
             return query_shape[:-1] + self._output_shape
         return query_shape
 
-    def compute_output_spec(
-        self, query, value, key=None, query_mask=None, value_mask=None,
-        key_mask=None, attention_mask=None, return_attention_scores=False,
-        training=None, use_causal_mask=False, cache=None,
-        cache_update_index=None, attention_bias=None, segment_ids=None,
-        key_segment_ids=None,
-    ):
-        checks.call_arguments(
-            self, query, value, key, query_mask, value_mask, key_mask,
-            attention_mask, return_attention_scores, use_causal_mask, cache,
-            cache_update_index, attention_bias, segment_ids, key_segment_ids,
+    def compute_output_spec(self, *args, **kwargs):
+        call = hooks.call_arguments(MultiHeadAttention.call,
+                                    checks.call_arguments, self, args, kwargs)
+        query, value, key = call["query"], call["value"], call["key"]
+        output = keras.KerasTensor(
+            self.compute_output_shape(
+                query.shape, value.shape, None if key is None else key.shape
+            ),
+            dtype=self.compute_dtype,
         )
-        key_shape = None if key is None else key.shape
-        specs = [
-            keras.KerasTensor(
-                self.compute_output_shape(query.shape, value.shape, key_shape),
-                dtype=self.compute_dtype,
-            )
-        ]
-        specs += describe_lib.extra_result_specs(
-            self, query, value, key, return_attention_scores, cache
-        )
-        return specs[0] if len(specs) == 1 else tuple(specs)
+        return hooks.results(output, *describe_lib.extra_result_specs(
+            self, query, value, key, call["return_attention_scores"],
+            call["cache"],
+        ))
 
 
 def _bool(mask):

@@ -11,6 +11,8 @@ import string
 
 import keras
 
+import keras_mha.attention.capabilities as capabilities
+
 
 def projection_equation(free_dims, bound_dims, output_dims):
     """EinsumDense equation and bias axes, letter for letter as in Keras.
@@ -34,7 +36,7 @@ def heads_projection(layer, rank, num_heads, head_size, name, activation=None):
         bias_axes=bias_axes if layer.use_bias else None,
         activation=activation,
         name=name,
-        **_sublayer_kwargs(layer),
+        **sublayer_kwargs(layer),
     )
     # Per-token projections keep the inputs' Keras masks, which the layer
     # leaves in place (Keras's layer deletes them instead).
@@ -50,7 +52,7 @@ def output_projection(layer, rank, output_shape):
         output_shape=[None] * (rank - 2) + list(output_shape),
         bias_axes=bias_axes if layer.use_bias else None,
         name="attention_output",
-        **_sublayer_kwargs(layer),
+        **sublayer_kwargs(layer),
     )
 
 
@@ -68,7 +70,7 @@ class Projection(keras.layers.EinsumDense):
 
     def call(self, inputs, training=None):
         if (
-            keras.backend.backend() == "torch"
+            capabilities.has_fused_projection()
             and self.bias is not None
             and not self.lora_enabled
             and self.quantization_mode is None
@@ -113,27 +115,27 @@ def quantize(layer, mode=None, type_check=True, config=None):
             sublayer.quantize(mode, config=config)
             policies[sublayer.path] = sublayer.dtype_policy
     layer._dtype_policy = policies
-    if keras.backend.backend() == "torch":
+    if capabilities.variables_are_parameters():
         # As `Model.quantize` does: the replaced weights leave the torch
         # parameters.
         for tracked in layer._flatten_layers():
             tracked._track_variables()
 
 
-def _sublayer_kwargs(layer):
+def sublayer_kwargs(layer):
+    """A projection's arguments from `layer`'s: its initializers, and the
+    regularizers and constraints it has (`None` where it has none)."""
     # Fresh initializer instances: a shared stateless initializer would
     # give every projection the same values.
     def clone(initializer):
         return initializer.__class__.from_config(initializer.get_config())
 
+    optional = ("kernel_regularizer", "bias_regularizer",
+                "activity_regularizer", "kernel_constraint", "bias_constraint")
     return dict(
         kernel_initializer=clone(layer._kernel_initializer),
         bias_initializer=clone(layer._bias_initializer),
-        kernel_regularizer=layer._kernel_regularizer,
-        bias_regularizer=layer._bias_regularizer,
-        activity_regularizer=layer._activity_regularizer,
-        kernel_constraint=layer._kernel_constraint,
-        bias_constraint=layer._bias_constraint,
+        **{name: getattr(layer, f"_{name}", None) for name in optional},
         dtype=layer.dtype_policy,
     )
 

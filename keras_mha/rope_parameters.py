@@ -3,10 +3,10 @@
 `transformers` 5 keeps them in `config.rope_parameters` (one dict, or one
 per layer type), older versions in `config.rope_theta` and
 `config.rope_scaling`. The model computes its rotary tables with
-`ROPE_INIT_FUNCTIONS[rope_type]` (`modeling_rope_utils.py`); this module
-reads exactly the parameters that function reads, with the same defaults,
-into the layer's arguments, so the layer's frequencies and cos/sin scaling
-are the model's. A setting the layer cannot represent is a `ValueError`
+`ROPE_INIT_FUNCTIONS[rope_type]` (`transformers.modeling_rope_utils`);
+this module reads exactly the parameters that function reads, with the
+same defaults, into the layer's arguments, so the layer's frequencies and
+cos/sin scaling are the model's. A setting the layer cannot represent is a `ValueError`
 that names it. Nothing here imports `transformers`.
 """
 

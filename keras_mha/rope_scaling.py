@@ -112,7 +112,7 @@ class RopeTables:
 
     d: int
     frequencies: tuple
-    exponents: tuple = None
+    exponents: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,11 +129,11 @@ class RopeScaling:
     beta_slow: float = 1.0
     original_max_position_embeddings: int = 4096
     truncate: bool = True
-    low_freq_factor: float = None
-    high_freq_factor: float = None
-    attention_factor: float = None
-    short_factor: tuple = None
-    long_factor: tuple = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    attention_factor: float | None = None
+    short_factor: tuple | None = None
+    long_factor: tuple | None = None
 
     def __post_init__(self):
         if not isinstance(self.rope_type, str) or (

@@ -8,11 +8,14 @@ on `p - j` alone. The frequencies of each `rope_type` are in
 either layer serves.
 """
 
+import dataclasses
 import numbers
 
 import keras
 from keras import ops
 
+import keras_mha.attention.capabilities as capabilities
+from keras_mha import properties
 from keras_mha.rope_scaling import RopeScaling
 
 
@@ -52,11 +55,17 @@ def _checked_positions(positions):
     return positions
 
 
-def _read_only(name):
-    return property(lambda self: getattr(self._rope, name))
+# The RoPE arguments, by name: `RopeScaling`'s fields.
+_ROPE_ARGUMENTS = tuple(
+    field.name for field in dataclasses.fields(RopeScaling)
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
+@properties.with_read_only(
+    *(name for name in _ROPE_ARGUMENTS if name != "attention_factor"),
+    attribute="_rope.{}", rotary_dim="_rotary_dim", interleaved="_interleaved",
+)
 class RotaryEmbedding(keras.layers.Layer):
     """Rotary position embedding of `(B, L, ..., H)` inputs; no weights.
 
@@ -197,33 +206,11 @@ class RotaryEmbedding(keras.layers.Layer):
             rotary_dim_of(input_shape, self._rotary_dim)
         )
 
-    max_wavelength = _read_only("max_wavelength")
-    scaling_factor = _read_only("scaling_factor")
-    rope_type = _read_only("rope_type")
-    beta_fast = _read_only("beta_fast")
-    beta_slow = _read_only("beta_slow")
-    original_max_position_embeddings = _read_only(
-        "original_max_position_embeddings"
-    )
-    truncate = _read_only("truncate")
-    low_freq_factor = _read_only("low_freq_factor")
-    high_freq_factor = _read_only("high_freq_factor")
-    short_factor = _read_only("short_factor")
-    long_factor = _read_only("long_factor")
-
     @property
     def attention_factor(self):
         """What cos and sin are multiplied by: the argument, or the type's
         default (Hugging Face's `attention_scaling`)."""
         return self._rope.cos_sin_factor
-
-    @property
-    def rotary_dim(self):
-        return self._rotary_dim
-
-    @property
-    def interleaved(self):
-        return self._interleaved
 
     def call(self, inputs, start_index=0, positions=None):
         d = rotary_dim_of(inputs.shape, self._rotary_dim)
@@ -256,7 +243,7 @@ class RotaryEmbedding(keras.layers.Layer):
         if factor != 1:
             cos, sin = cos * factor, sin * factor
         cos, sin = ops.cast(cos, dtype), ops.cast(sin, dtype)
-        if keras.backend.backend() == "torch":
+        if capabilities.has_fused_rotation():
             from keras_mha.attention import kernels
 
             rotate = (kernels.rotate_pairs if self._interleaved
@@ -300,25 +287,13 @@ class RotaryEmbedding(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        rope = self._rope
+        rope = {name: getattr(self._rope, name) for name in _ROPE_ARGUMENTS}
+        for name in ("short_factor", "long_factor"):  # tuples: JSON lists
+            if rope[name] is not None:
+                rope[name] = list(rope[name])
         config.update(
-            max_wavelength=rope.max_wavelength,
-            scaling_factor=rope.scaling_factor,
+            rope,
             rotary_dim=self._rotary_dim,
-            rope_type=rope.rope_type,
-            beta_fast=rope.beta_fast,
-            beta_slow=rope.beta_slow,
-            original_max_position_embeddings=(
-                rope.original_max_position_embeddings
-            ),
-            truncate=rope.truncate,
-            low_freq_factor=rope.low_freq_factor,
-            high_freq_factor=rope.high_freq_factor,
-            attention_factor=rope.attention_factor,
-            short_factor=None if rope.short_factor is None
-            else list(rope.short_factor),
-            long_factor=None if rope.long_factor is None
-            else list(rope.long_factor),
             interleaved=self._interleaved,
             autocast=self.autocast,
         )

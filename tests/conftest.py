@@ -46,7 +46,8 @@ def rng():
 
 def _decode_implementations():
     """The implementations an eager decoding step can take here. On JAX
-    every eager step takes the native route (`decode._eager_compilable`):
+    every eager step takes the native route
+    (`capabilities.compiles_eager_call`):
     the portable loop compiled by `jax.jit`. Its Python run op by op, which
     no call on JAX reaches, is run by TensorFlow's, torch's and NumPy's
     suites; on JAX each of its ops would compile anew for every shape the

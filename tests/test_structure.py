@@ -187,6 +187,74 @@ def test_no_library_module_is_over_the_limit():
     assert {n: k for n, k in lengths.items() if k > MAX_LINES} == {}
 
 
+# ------------------------------------------------------- the backends' names
+
+BACKEND_NAMES = ("jax", "numpy", "tensorflow", "torch")
+
+# Calls whose string argument names a package to look up, not a backend:
+# `sys.modules.get("torch")` finds torch loaded on any backend.
+_PACKAGE_LOOKUPS = ("sys.modules.get", "importlib.import_module",
+                    "importlib.util.find_spec", "__import__")
+
+
+def may_name_backends(name):
+    """Whether module `name` may name a backend: `capabilities.py`, which
+    answers for every backend, the backends' kernels (`kernels.py`,
+    `*_kernels.py`) and the command line."""
+    return (
+        name == "keras_mha.attention.capabilities"
+        or name.rpartition(".")[2].endswith("kernels")
+        or is_cli(name)
+    )
+
+
+def backend_names_in(source):
+    """The lines of `source` with a string constant equal to a backend's
+    name, outside the argument of a package lookup (`_PACKAGE_LOOKUPS`)."""
+    tree = ast.parse(source)
+    lookups = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and node.args
+                and ast.unparse(node.func) in _PACKAGE_LOOKUPS):
+            lookups.add(id(node.args[0]))
+    return sorted({
+        node.lineno for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in BACKEND_NAMES
+        and id(node) not in lookups
+    })
+
+
+def test_the_reader_finds_backend_names():
+    for source in ('keras.backend.backend() == "jax"\n',
+                   'backend in ("tensorflow", "numpy")\n',
+                   'TABLE = {("torch", ANY): 1}\n',
+                   "f(backend='numpy')\n"):
+        assert backend_names_in(source) == [1], source
+    for source in ('torch = sys.modules.get("torch")\n',
+                   'importlib.import_module("jax")\n',
+                   'import torch\n"""Runs on torch and jax."""\n',
+                   'message = "the torch backend"\n'):
+        assert backend_names_in(source) == [], source
+    assert may_name_backends("keras_mha.attention.capabilities")
+    assert may_name_backends("keras_mha.attention.cache_kernels")
+    assert may_name_backends("keras_mha.attention.kernels")
+    assert may_name_backends("keras_mha.cli.common")
+    assert not may_name_backends("keras_mha.attention.dispatch")
+
+
+def test_only_capabilities_kernels_and_the_command_line_name_backends():
+    # An algorithm asks `keras_mha/attention/capabilities.py` for what it
+    # needs; comparing the backend's name elsewhere scatters the choice.
+    found = {
+        name: lines
+        for name in LIBRARY
+        if not may_name_backends(name)
+        and (lines := backend_names_in(
+            MODULES[name].read_text(encoding="utf-8")))
+    }
+    assert found == {}
+
+
 # Keras first, as a program that loads a saved model imports them: the
 # package registers its layers as it is imported, before any name is read.
 _USE_THE_LAYER = """

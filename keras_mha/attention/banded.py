@@ -38,6 +38,7 @@ import functools
 import keras
 from keras import ops
 
+import keras_mha.attention.capabilities as capabilities
 import keras_mha.attention.explicit as explicit
 import keras_mha.attention.logits as logits
 import keras_mha.attention.masks as masks_lib
@@ -53,11 +54,11 @@ def default_block_size(window):
     """The query block `b` for a window `(left, right)`.
 
     The next power of two at or above `w = max(left, right) + 1`, within
-    the tuning table's `[banded_block_min, banded_block_max]` (`[32,
-    128]`). A query block reads `L = ceil(left / b)` key blocks before it
-    (and `R` after it without `causal`), so its scores hold `b + L·b` keys
-    per query for `w` useful ones: larger blocks waste more of the span,
-    smaller ones make the batched products too small to run well.
+    the tuning table's `[banded_block_min, banded_block_max]`. A query
+    block reads `L = ceil(left / b)` key blocks before it (and `R` after
+    it without `causal`), so its scores hold `b + L·b` keys per query for
+    `w` useful ones: larger blocks waste more of the span, smaller ones
+    make the batched products too small to run well.
     """
     block = _round_up_pow2(max(window) + 1)  # >= w
     return max(tuning.value("banded_block_min"),
@@ -66,8 +67,7 @@ def default_block_size(window):
 
 def native_available(backend=None):
     """Whether `implementation="native"` exists for the backend."""
-    backend = backend or keras.backend.backend()
-    return backend == "torch"
+    return capabilities.has_native_band(backend)
 
 
 def banded_attention(
@@ -355,14 +355,8 @@ def _portable_core(query, key, value, mask, spec, band, keep=None):
     if c == 1:
         _, out = attend(constants, tuple(x[0] for x in inputs))
         out = ops.expand_dims(out, 0)
-    elif keras.backend.backend() == "jax":
-        # `lax.map` wraps `attend` in a fresh closure, so every eager call
-        # would retrace and recompile the loop; `lax.scan` caches its trace
-        # on the function, which `_chunk_attention` keeps per geometry.
-        _, out = ops.scan(attend, constants, inputs)
-    else:
-        # Keras's TensorFlow `scan` wants outputs shaped like the carry.
-        out = ops.map(lambda chunk: attend(constants, chunk)[1], inputs)
+    else:  # `_chunk_attention` keeps one `attend` per geometry
+        out = capabilities.loop_over_blocks(attend, constants, inputs)
     # out: (c, B, K, C, b·G, V)
     out = ops.reshape(out, rows[:4] + (b, groups, value_head))
     out = ops.transpose(out, (1, 0, 3, 4, 2, 5, 6))  # (B, c, C, b, K, G, V)
@@ -418,13 +412,9 @@ def _chunk_attention(band, rate, soft_cap, use_alibi, use_sinks):
         # The softmax with its division deferred to the output, `(b·G, V)`
         # per block instead of `(b·G, span)`. A row with no allowed key is
         # uniform (or all on its sink) here; the caller zeroes it.
-        top = ops.amax(scores, axis=-1, keepdims=True)
-        if use_sinks:
-            top = ops.maximum(top, sinks)
-        weights = ops.exp(ops.subtract(scores, top))
-        total = ops.sum(weights, axis=-1, keepdims=True)  # (B, K, C, b·G, 1)
-        if use_sinks:
-            total = ops.add(total, ops.exp(ops.subtract(sinks, top)))
+        weights, total = logits.exp_and_sum(
+            scores, sinks if use_sinks else None
+        )  # total: (B, K, C, b·G, 1)
         if rate:
             kept = ops.cast(inputs[4], weights.dtype)  # (B, K, C, b·G, span)
             weights = ops.multiply(weights, ops.multiply(kept, 1.0 / (1.0 - rate)))
@@ -433,18 +423,6 @@ def _chunk_attention(band, rate, soft_cap, use_alibi, use_sinks):
         return carry, out  # (B, K, C, b·G, V)
 
     return attend
-
-
-def _softmax(scores):
-    """`logits.softmax` of scores of any rank."""
-    if keras.backend.backend() != "tensorflow":
-        return logits.softmax(scores)
-    # TensorFlow's softmax takes at most 5 axes: fold the leading ones (the
-    # softmax is over the last axis alone).
-    shape = ops.shape(scores)
-    return ops.reshape(
-        logits.softmax(ops.reshape(scores, (-1, shape[-1]))), shape
-    )
 
 
 def _chunk_windows(x, band):

@@ -34,9 +34,9 @@ whose trip count is the block index: one trace under `jax.jit` and
 import collections
 import functools
 
-import keras
 from keras import ops
 
+import keras_mha.attention.capabilities as capabilities
 import keras_mha.attention.explicit as explicit
 import keras_mha.attention.logits as logits
 import keras_mha.attention.masks as masks_lib
@@ -44,8 +44,8 @@ import keras_mha.attention.tuning as tuning
 
 
 def default_block_size(length):
-    """`b` for `T = length`: the tuning table's `blocked_block` (256), or
-    `blocked_large_block` (512) from `T = blocked_large_from` (4096)."""
+    """`b` for `T = length`: the tuning table's `blocked_block`, or
+    `blocked_large_block` from `T = blocked_large_from`."""
     if length >= tuning.value("blocked_large_from"):
         return tuning.value("blocked_large_block")
     return tuning.value("blocked_block")
@@ -277,20 +277,6 @@ def _end_query_block(geometry, j):
     return ops.minimum(ops.floor_divide(last, block) + 1, geometry.num_blocks)
 
 
-def _loop_blocks(body, constants, xs):
-    """`body(constants, x)[1]` for each slice `x` of `xs` along axis 0,
-    stacked.
-
-    `scan` on JAX, whose trace is cached on the function object: the
-    callers keep one `body` per geometry, so eager calls do not retrace
-    and recompile the loop. `map` elsewhere (Keras's TensorFlow `scan`
-    wants outputs shaped like the carry).
-    """
-    if keras.backend.backend() == "jax":
-        return ops.scan(body, constants, xs)[1]
-    return ops.map(lambda x: body(constants, x)[1], xs)
-
-
 @functools.lru_cache(maxsize=64)
 def _attention(geometry):
     """The custom-gradient attention of one geometry: `(q, k, v, sinks,
@@ -306,7 +292,7 @@ def _attention(geometry):
             - int(geometry.segments)
         rows, keys = tokens[:count], tokens[count:]
         indices = ops.arange(blocks, dtype="int32")
-        out, lse, has_key = _loop_blocks(
+        out, lse, has_key = capabilities.loop_over_blocks(
             forward, (k, v, sinks, keys), (indices, q, k, v, rows, keys)
         )  # (n, B, K, b·G, V), (n, B, K, b·G, 1) twice
 
@@ -318,11 +304,11 @@ def _attention(geometry):
                 d_out = ops.where(has_key, d_out, ops.zeros_like(d_out))
             # FlashAttention-2's D: each row's dO·O, (n, B, K, b·G, 1).
             delta = ops.sum(ops.multiply(d_out, out), axis=-1, keepdims=True)
-            d_q = _loop_blocks(
+            d_q = capabilities.loop_over_blocks(
                 query_grads, (k, v, keys),
                 (indices, q, k, v, d_out, lse, delta, rows, keys),
             )
-            d_k, d_v = _loop_blocks(
+            d_k, d_v = capabilities.loop_over_blocks(
                 key_grads, (q, d_out, lse, delta, rows),
                 (indices, k, v, keys),
             )
@@ -344,7 +330,7 @@ def _attention(geometry):
 
         return out, grad
 
-    if keras.backend.backend() == "numpy":  # inference only
+    if capabilities.inference_only():
         return lambda *args: attention(*args)[0]
     return ops.custom_gradient(attention)
 
@@ -394,13 +380,9 @@ def _forward_body(geometry):
         # saw no key.
         has_key = ops.greater(m, logits.MASKED_LOGIT / 2)
         if geometry.use_sinks:
-            sink = _row_values(sinks, geometry.block)
-            top = ops.maximum(m, sink)
-            correction = ops.exp(ops.subtract(m, top))
-            l = ops.add(ops.multiply(l, correction),
-                        ops.exp(ops.subtract(sink, top)))
-            acc = ops.multiply(acc, correction)
-            m = top
+            m, l, acc = logits.fold_sink(
+                m, l, acc, _row_values(sinks, geometry.block)
+            )
         out = ops.divide(acc, l)
         if _has_token_masks(geometry):
             out = ops.where(has_key, out, ops.zeros_like(out))

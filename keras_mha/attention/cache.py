@@ -33,11 +33,10 @@ time, each block one contiguous run.
 import numbers
 import weakref
 
-import keras
 from keras import ops
 
 import keras_mha.attention.cache_kernels as cache_kernels
-import keras_mha.attention.tuning as tuning
+import keras_mha.attention.capabilities as capabilities
 
 
 def concrete_int(x):
@@ -47,7 +46,7 @@ def concrete_int(x):
     with a graph break, and the step recompiled for every new value."""
     if isinstance(x, numbers.Integral):
         return int(x)
-    if tuning.torch_compiling():
+    if capabilities.compiling_one_graph():
         return None
     try:
         return int(ops.convert_to_numpy(x))
@@ -104,7 +103,7 @@ def is_in_place(cache):
     """Whether every tensor of `cache` (a tensor or a tuple) is registered
     by `mark_in_place`. Under `torch.compile` none is: a compiled write
     is functional, as under `jax.jit`."""
-    if tuning.torch_compiling():
+    if capabilities.compiling_one_graph():
         return False
     tensors = cache if isinstance(cache, (tuple, list)) else (cache,)
     for tensor in tensors:
@@ -151,7 +150,7 @@ def write(cache, key, value, valid, index, rolling):
     result = _write(cache, key, value, valid, index, rolling)
     if not is_in_place(cache):
         return result
-    if keras.backend.backend() == "torch":
+    if capabilities.tensors_carry_gradient_history():
         # A ring's select carries the new tokens' gradient history; an
         # in-place cache holds none (its writes run without gradients).
         result = tuple(t.detach() if t.requires_grad else t for t in result)
@@ -207,14 +206,15 @@ def _write_run(cache, new, start, axis=1, fits=None, shared=None):
     """`new` written into slots `[start, start + T)` of `axis` of one
     tensor.
 
-    A full cache's index is checked when it has a value (`checks.py`).
-    Traced, an out-of-range run (`start < 0` or past the last slot) writes
-    nothing on every backend, rather than the clamped slots that
-    `dynamic_update_slice` would write: `fits` is then the caller's guard
-    (`_guard`), `None` where the run fits (a rolling cache's slot, a
-    checked index). `shared`: a dict in which the runs of one write keep
-    their start indices by rank, so the tensors written alike share one
-    (a graph op per write instead of one per slice and per write).
+    A full cache's index is checked when it has a value
+    (`keras_mha/checks/cache.py`). Traced, an out-of-range run (`start < 0`
+    or past the last slot) writes nothing on every backend, rather than the
+    clamped slots that `dynamic_update_slice` would write: `fits` is then
+    the caller's guard (`_guard`), `None` where the run fits (a rolling
+    cache's slot, a checked index). `shared`: a dict in which the runs of
+    one write keep their start indices by rank, so the tensors written
+    alike share one (a graph op per write instead of one per slice and per
+    write).
     """
     if _writes_in_place(cache):
         return cache_kernels.write_slots(cache, new, start, axis)
@@ -235,9 +235,8 @@ def _write_run(cache, new, start, axis=1, fits=None, shared=None):
         )
         old = ops.take(cache, slots, axis=axis)
         new = ops.where(fits, new, old)
-    if keras.backend.backend() == "numpy":
-        # Keras's NumPy `slice_update` assigns into its input: copy, so the
-        # caller's cache stays as it was.
+    if capabilities.slice_update_writes_input():
+        # Copy, so the caller's cache stays as it was.
         cache = ops.copy(cache)
     return ops.slice_update(cache, indices, new)
 
@@ -257,12 +256,12 @@ def _start_indices(start, rank, axis):
 def _guarded(start, length, num_slots, tensors):
     """`(start, fits)` for `_write_run` into each of `tensors`: a tensor
     `start` guarded (`_guard`) unless every one of them is written in
-    place (an eager call, whose index `checks.py` checked); `fits` is
-    `None` otherwise."""
+    place (an eager call, whose index `checks.cache_index` checked);
+    `fits` is `None` otherwise."""
     if isinstance(start, int) or all(_writes_in_place(t) for t in tensors):
         return start, None
     value = concrete_int(start)
-    if value is not None:  # eager: `checks.py` checked it
+    if value is not None:  # eager: `checks.cache_index` checked it
         return value, None
     return _guard(start, length, num_slots)
 
@@ -312,7 +311,8 @@ def _write_pair(cache, key, value, index, halves):
     key, value = ops.cast(key, cache.dtype), ops.cast(value, cache.dtype)
     if (
         halves and key.shape[1] == 1 and not isinstance(index, int)
-        and keras.backend.backend() != "jax" and not _writes_in_place(cache)
+        and capabilities.select_writes_traced_token()
+        and not _writes_in_place(cache)
     ):
         # One token, traced: a select over the slots writes it, and writes
         # nothing for an index out of range, with no guard to build.

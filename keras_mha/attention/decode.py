@@ -37,6 +37,7 @@ import keras
 from keras import ops
 
 import keras_mha.attention.cache as cache_lib
+import keras_mha.attention.capabilities as capabilities
 import keras_mha.attention.explicit as explicit
 import keras_mha.attention.logits as logits
 import keras_mha.attention.masks as masks_lib
@@ -66,9 +67,7 @@ IMPLEMENTATION = None
 def native_available(backend=None):
     """Whether the native step exists for the backend (torch, tensorflow,
     jax)."""
-    return (backend or keras.backend.backend()) in (
-        "torch", "tensorflow", "jax"
-    )
+    return capabilities.has_native_decode_step(backend)
 
 
 def block_size_for(backend=None):
@@ -111,7 +110,9 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         `(B, T, N, V)` in the query's dtype.
     """
     implementation = _implementation(implementation)
-    if implementation != PORTABLE and _eager_compilable(query, cache):
+    if implementation != PORTABLE and capabilities.compiles_eager_call(
+        (query, cache)
+    ):
         import keras_mha.attention.decode_kernels as decode_kernels
 
         return decode_kernels.graph_decode(
@@ -174,7 +175,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
             layout, slopes, dense, sinks,
         )
         return _heads_back(out, out_dtype)
-    if blocks is None and tuning.torch_compiling():
+    if blocks is None and capabilities.compiling_one_graph():
         # Dynamo cannot capture a loop whose trip count is a tensor: one
         # block of every slot, those at or after `limit` masked.
         block, blocks = num_slots, 1
@@ -185,10 +186,9 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         ops.zeros(shape + (1,), dtype),  # running denominator
         ops.zeros(shape + (value_dim,), dtype),  # running numerator
     )
-    # One query: the products read each block in place (`_packed_query`).
-    # Not on torch, whose per-head products read the strided keys without
-    # a copy: there the packed product's zero blocks are only extra work.
-    packed = t_len == 1 and keras.backend.backend() != "torch"
+    # One query: the products read each block in place (`_packed_query`),
+    # unless they read strided keys without a copy anyway.
+    packed = t_len == 1 and not capabilities.products_read_strided_views()
     chunks = _whole_chunks(num_slots, block) if (
         packed and layout == FLAGGED and not rolling and blocks is None
     ) else None
@@ -201,7 +201,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
         q = _packed_query(q)
     constants = (q, cache, limit, query_positions, query_mask) + extra
     # `lru_cache`'s wrapper is a graph break under `torch.compile`.
-    loop = _loop.__wrapped__ if tuning.torch_compiling() else _loop
+    loop = _loop.__wrapped__ if capabilities.compiling_one_graph() else _loop
     cond, body = loop(
         block, num_slots, rolling, spec.causal, spec.window, spec.chunk,
         spec.soft_cap, slopes is not None, dense is not None, layout,
@@ -230,10 +230,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
     _, top, total, numerator = state[:4]
     if sinks is not None:
         sinks = ops.reshape(sinks, (1, num_kv, groups, 1, 1))
-        new_top = ops.maximum(top, sinks)
-        rescale = ops.exp(top - new_top)
-        total = total * rescale + ops.exp(sinks - new_top)
-        numerator = numerator * rescale
+        top, total, numerator = logits.fold_sink(top, total, numerator, sinks)
     out = ops.divide(numerator, ops.maximum(total, 1e-30))
     out = ops.where(total > 0, out, ops.zeros_like(out))  # (B, K, G, T, V)
     return _heads_back(out, out_dtype)
@@ -270,24 +267,6 @@ def _implementation(implementation):
     return implementation
 
 
-def _eager_compilable(query, cache):
-    """Whether the step is an eager call on TensorFlow or JAX, whose native
-    route compiles the block loop (`decode_kernels.graph_decode`)."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.executing_eagerly()
-    if backend == "jax":
-        import jax
-
-        return not any(
-            isinstance(x, jax.core.Tracer)
-            for x in jax.tree_util.tree_leaves((query, cache))
-        )
-    return False
-
-
 def _num_slots(cache, pair):
     """The slots of either layout."""
     return cache.shape[2] if pair else cache[0].shape[1]
@@ -296,7 +275,8 @@ def _num_slots(cache, pair):
 def _takes_native(implementation, blocks, q, num_slots, slopes, dense):
     """Whether a torch step runs `decode_kernels.decode_core` (see
     `decode_attention`'s `implementation`)."""
-    if implementation == PORTABLE or keras.backend.backend() != "torch":
+    fused = capabilities.has_fused_decode_kernel()
+    if implementation == PORTABLE or not fused:
         return False
     if blocks is None:  # traced (`torch.compile`): the limit has no value
         return False

@@ -4,19 +4,19 @@ Every path computes the same function of the spec (see `explicit.py`);
 this module answers which paths can serve a call (`can_serve`) and which
 runs it (`choose_path`), from the spec, the static shapes, the backend and
 the platform the tensors sit on (`tuning.device_platform`: `cpu`, `gpu`,
-`tpu`). The numbers are entries of the tuning table (`tuning.py`), looked
-up for the backend and the platform; a path named below runs only where
-`can_serve` says it can.
+`tpu`). A threshold is named below by its setting in `tuning.TABLE`,
+which holds its values per backend and platform (docs/paths.md shows the
+table); a path named below runs only where `can_serve` says it can.
 
 CPU (the table's numbers are measured there): the fastest path. The first
 row that matches decides.
 
 | The call | Path |
 |---|---|
-| a window or chunks; keys at their own positions (no cache, a Python-int offset); no dense mask or bias; no weights returned; `S >= banded_min_ratio·w` (4) and `S >= banded_min_length` (256), `w = max(left, right) + 1` of the spec's `reach` (the window, and chunks of `C` as a window `(C - 1, C - 1)`, right 0 when causal) | `banded` |
+| a window or chunks; keys at their own positions (no cache, a Python-int offset); no dense mask or bias; no weights returned; `S >= banded_min_ratio·w` and `S >= banded_min_length`, `w = max(left, right) + 1` of the spec's `reach` (the window, and chunks of `C` as a window `(C - 1, C - 1)`, right 0 when causal) | `banded` |
 | weights returned, or dropout | `explicit` |
-| causal self-attention at `T = S >= blocked_min_length` (JAX 512, TensorFlow 2048, torch 1024); no window, dense mask, bias, cache, or `flash_attention=True`; on torch only what its kernel cannot take (a soft-cap) | `blocked` |
-| the same with a dense bias, `T >= triangular_min_length` (JAX 1024, never elsewhere) | `triangular` |
+| causal self-attention at `T = S >= blocked_min_length`; no window, dense mask, bias, cache, or `flash_attention=True`; on torch only what its kernel cannot take (a soft-cap) | `blocked` |
+| the same with a dense bias, `T >= triangular_min_length` | `triangular` |
 | anything else | `fused`; `explicit` where the kernel cannot take the call (a soft-cap; `H != V` on JAX) |
 
 GPU and TPU (nothing measured, `follow_keras`): a call that
@@ -28,7 +28,7 @@ its dense scores would not fit:
 
 | The call Keras's layer fuses | GPU | TPU |
 |---|---|---|
-| a window, `(B, N, T, S)` float32 scores over `dense_scores_budget` (1 GiB) | `banded` | `banded` |
+| a window, `(B, N, T, S)` float32 scores over `dense_scores_budget` | `banded` | `banded` |
 | a window on JAX: no padding, segment or dense mask; keys at their own positions; `H = V`; `flash_attention=None`; every query with a key (`T <= S + left`) | `fused_window`: `jax.nn.dot_product_attention(local_window_size=(left, right))` (`native_window`) | `fused` |
 | any other | `fused` (a window as a mask) | `fused` |
 
@@ -53,13 +53,12 @@ tokens at their positions on `fused` or `explicit`.
 """
 
 import collections
-import contextlib
 import math
 import numbers
 
-import keras
-
+import keras_mha.attention.capabilities as capabilities
 import keras_mha.attention.fused as fused
+import keras_mha.attention.overrides as overrides
 import keras_mha.attention.tuning as tuning
 
 FUSED = "fused"
@@ -109,9 +108,7 @@ class Shapes(
         )
 
 
-# The paths `force_path` blocks hold the calls to, innermost last: a plain
-# list, which `torch.compile` reads as a constant (a `ContextVar` is a graph
-# break).
+# The paths `force_path` blocks hold the calls to (`overrides.held`).
 _forced = []
 
 
@@ -120,20 +117,13 @@ def forced_path():
     return _forced[-1] if _forced else None
 
 
-@contextlib.contextmanager
 def force_path(path):
     """Runs every call in the block on `path` where that path can serve it.
 
     For tests and benchmarks that compare the paths on the same inputs. A
     call that `path` cannot serve (`can_serve`) still follows the rule.
     """
-    if path not in PATHS:
-        raise ValueError(f"`path` must be one of {PATHS}. Received: path={path!r}")
-    _forced.append(path)
-    try:
-        yield
-    finally:
-        _forced.pop()
+    return overrides.held(_forced, "path", path, PATHS)
 
 
 def banded_pays_off(window, query_length, key_length, backend=None,
@@ -177,7 +167,7 @@ def can_serve(path, spec, shapes, backend=None):
         return _causal_self_blocks(spec, shapes, static)
     if path == FUSED_WINDOW:
         return (
-            (backend or keras.backend.backend()) == "jax"
+            capabilities.fused_takes_window(backend)
             and spec.window is not None
             and spec.chunk is None
             and static
@@ -236,7 +226,7 @@ def choose_path(spec, shapes, backend=None, platform=None):
         platform: `"cpu"`, `"gpu"` or `"tpu"`; by default
             `tuning.device_platform()` (`attend` passes the queries').
     """
-    backend = backend or keras.backend.backend()
+    backend = capabilities.backend_name(backend)
     platform = platform or tuning.device_platform()
     forced = forced_path()
     if forced is not None and can_serve(forced, spec, shapes, backend):
@@ -256,7 +246,8 @@ def choose_path(spec, shapes, backend=None, platform=None):
     if (
         can_serve(BLOCKED, spec, shapes, backend)
         and shapes.query_length >= setting("blocked_min_length")
-        and (backend != "torch" or not can_serve(FUSED, spec, shapes, backend))
+        and (capabilities.fused_writes_scores(backend)
+             or not can_serve(FUSED, spec, shapes, backend))
     ):
         return BLOCKED
     if (

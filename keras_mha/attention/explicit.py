@@ -68,6 +68,25 @@ def masked_attention(query, key, value, mask, spec, positions, bias):
     """
     out_dtype = query.dtype
     query, key, value = upcast(query, key, value)
+    scores = modified_logits(query, key, spec, *positions, bias)
+    sinks = None
+    if spec.sinks is not None:
+        sinks = ops.reshape(spec.sinks, (1, query.shape[2], 1, 1))
+    weights = logits.weights(scores, mask, sinks)
+    dropped = weights
+    if spec.dropout:
+        dropped = keras.random.dropout(weights, spec.dropout, seed=spec.seed)
+    return ops.cast(weighted_values(dropped, value), out_dtype), weights
+
+
+def modified_logits(query, key, spec, query_positions, key_positions, bias):
+    """The logits `(B, N, T, S)` of queries `(B, T, N, H)` over keys
+    `(B, S, K, H)`, scaled, soft-capped, with the bias (or `None`) and
+    ALiBi added (see `logits.py` for the order).
+
+    Grouped query heads ride along as rows of their key head, `(B, T, K,
+    G, H)`, so keys are never repeated per group.
+    """
     num_heads, num_kv_heads = query.shape[2], key.shape[2]
     groups = num_heads // num_kv_heads
     query = ops.multiply(query, ops.cast(spec.scale, query.dtype))
@@ -76,8 +95,6 @@ def masked_attention(query, key, value, mask, spec, positions, bias):
     if groups == 1:
         scores = ops.einsum("btnh,bsnh->bnts", query, key)  # (B, N, T, S)
     else:
-        # Grouped query heads ride along as rows of their key head, so keys
-        # and values are never repeated per group.
         grouped = ops.reshape(
             query, (batch, t_len, num_kv_heads, groups, query.shape[3])
         )  # (B, T, K, G, H)
@@ -86,24 +103,27 @@ def masked_attention(query, key, value, mask, spec, positions, bias):
             scores, (batch, num_heads, t_len, s_len)
         )  # (B, N, T, S)
     scores = logits.soft_cap(scores, spec.soft_cap)
-    scores = logits.add(
-        scores, logits.dense_term(spec, *positions, bias, scores.dtype)
+    return logits.add(scores, logits.dense_term(
+        spec, query_positions, key_positions, bias, scores.dtype
+    ))
+
+
+def weighted_values(weights, value):
+    """The context `(B, T, N, V)` of weights `(B, N, T, S)` over values
+    `(B, S, K, V)`; grouped weights ride along as rows of their value
+    head, as `modified_logits` reads the queries."""
+    batch, num_heads, t_len, s_len = (
+        ops.shape(weights)[0], weights.shape[1], ops.shape(weights)[2],
+        ops.shape(weights)[3],
     )
-    sinks = None
-    if spec.sinks is not None:
-        sinks = ops.reshape(spec.sinks, (1, num_heads, 1, 1))
-    weights = logits.weights(scores, mask, sinks)
-    dropped = weights
-    if spec.dropout:
-        dropped = keras.random.dropout(weights, spec.dropout, seed=spec.seed)
+    num_kv_heads = value.shape[2]
+    groups = num_heads // num_kv_heads
     if groups == 1:
-        output = ops.einsum("bnts,bsnv->btnv", dropped, value)
-    else:
-        dropped = ops.reshape(
-            dropped, (batch, num_kv_heads, groups, t_len, s_len)
-        )  # (B, K, G, T, S)
-        output = ops.einsum("bkgts,bskv->btkgv", dropped, value)
-        output = ops.reshape(
-            output, (batch, t_len, num_heads, value.shape[-1])
-        )  # (B, T, N, V)
-    return ops.cast(output, out_dtype), weights
+        return ops.einsum("bnts,bsnv->btnv", weights, value)
+    weights = ops.reshape(
+        weights, (batch, num_kv_heads, groups, t_len, s_len)
+    )  # (B, K, G, T, S)
+    output = ops.einsum("bkgts,bskv->btkgv", weights, value)
+    return ops.reshape(
+        output, (batch, t_len, num_heads, value.shape[-1])
+    )  # (B, T, N, V)

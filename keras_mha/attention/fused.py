@@ -5,9 +5,9 @@ Same arguments and result as `explicit.explicit_attention`, without the
 weights and without dropout (the kernels have no seed of ours).
 """
 
-import keras
 from keras import ops
 
+import keras_mha.attention.capabilities as capabilities
 import keras_mha.attention.explicit as explicit
 import keras_mha.attention.logits as logits
 import keras_mha.attention.masks as masks_lib
@@ -16,15 +16,8 @@ import keras_mha.attention.tuning as tuning
 
 def supported(key_dim, value_dim, backend=None):
     """Whether `keras.ops.dot_product_attention` takes these head sizes."""
-    backend = backend or keras.backend.backend()
-    return key_dim == value_dim or backend != "jax"
-
-
-# Backends whose kernel masks with a finite logit: a row with no key to
-# attend to comes out finite (the mean of the values), so it needs no
-# opening before `zero_empty_rows`, only the row check (two graph ops fewer
-# per call, which a decode step on TensorFlow without XLA pays for each).
-_FINITE_MASKING = ("tensorflow", "numpy")
+    same = key_dim == value_dim
+    return same or capabilities.fused_takes_other_value_size(backend)
 
 
 def fused_attention(query, key, value, spec):
@@ -53,10 +46,7 @@ def fused_attention(query, key, value, spec):
     query, key, value = explicit.upcast(query, key, value)
     num_heads = query.shape[2]
     groups = num_heads // key.shape[2]
-    if groups > 1 and keras.backend.backend() != "jax":
-        # Only JAX's kernel takes grouped heads on every K: Keras's
-        # TensorFlow kernel fails for K == 1, its NumPy one for K > 1 (and
-        # its torch one repeats the heads itself).
+    if groups > 1 and not capabilities.fused_takes_grouped_heads():
         key = ops.repeat(key, groups, axis=2)  # (B, S, N, H)
         value = ops.repeat(value, groups, axis=2)  # (B, S, N, V)
     t_len, s_len = ops.shape(query)[1], ops.shape(key)[1]
@@ -76,7 +66,7 @@ def fused_attention(query, key, value, spec):
         key, value, mask, term = _with_sink_key(
             query, key, value, mask, term, spec.sinks
         )
-    elif mask is not None and keras.backend.backend() in _FINITE_MASKING:
+    elif mask is not None and capabilities.fused_masks_finitely():
         has_key = masks_lib.has_any_key(mask)  # (B|1, N|1, T, 1)
     elif mask is not None:
         mask, has_key = masks_lib.open_empty_rows(mask)  # has_key (B|1, N|1, T, 1)
@@ -84,7 +74,7 @@ def fused_attention(query, key, value, spec):
         term = ops.where(mask, term, ops.cast(logits.MASKED_LOGIT, term.dtype))
         mask = None
     flash = spec.flash_attention
-    if flash is None and tuning.torch_compiling():
+    if flash is None and capabilities.compiling_one_graph():
         # Keras's check for flash attention builds torch's `SDPAParams`, a
         # graph break; unpinned, torch's SDPA picks its kernel itself.
         flash = False

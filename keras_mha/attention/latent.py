@@ -34,41 +34,28 @@ written and read with `cache.py`'s functions, which take any trailing
 shape: slot `p` (or `p mod w` rolling) holds position `p`.
 """
 
-import contextlib
-
 from keras import ops
 
 import keras_mha.attention as attention_lib
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import decode
 from keras_mha.attention import dispatch
+from keras_mha.attention import overrides
 from keras_mha.attention import sharded
 
 EXPANDED = "expanded"
 ABSORBED = "absorbed"
 COMPUTATIONS = (EXPANDED, ABSORBED)
 
-# The computations `force_computation` blocks hold, innermost last: a plain
-# list, which `torch.compile` reads as a constant (a `ContextVar` is a graph
-# break).
+# The computations `force_computation` blocks hold (`overrides.held`).
 _forced = []
 
 
-@contextlib.contextmanager
 def force_computation(computation):
     """Runs every multi-head latent attention call in the block with
     `computation` (`"expanded"` or `"absorbed"`), whatever the rule says.
     For tests and benchmarks that compare the two on the same inputs."""
-    if computation not in COMPUTATIONS:
-        raise ValueError(
-            f"`computation` must be one of {COMPUTATIONS}. Received: "
-            f"computation={computation!r}"
-        )
-    _forced.append(computation)
-    try:
-        yield
-    finally:
-        _forced.pop()
+    return overrides.held(_forced, "computation", computation, COMPUTATIONS)
 
 
 def computation(spec, query_length, cache=False, index=None, rolling=False,

@@ -109,13 +109,48 @@ def weights(scores, mask, sinks=None):
         scores = ops.where(
             mask, scores, ops.cast(MASKED_LOGIT, scores.dtype)
         )
-    sinks = ops.cast(sinks, scores.dtype)
-    top = ops.maximum(ops.amax(scores, axis=-1, keepdims=True), sinks)
-    exp = ops.exp(ops.subtract(scores, top))
-    denominator = ops.add(
-        ops.sum(exp, axis=-1, keepdims=True), ops.exp(ops.subtract(sinks, top))
-    )
+    exp, denominator = exp_and_sum(scores, ops.cast(sinks, scores.dtype))
     return ops.divide(exp, denominator)
+
+
+def exp_and_sum(scores, sinks=None):
+    """The softmax over the last axis before its division: `(exp(scores -
+    top), sum)`, `top` each row's largest logit and `sum` `(.., 1)` the
+    denominator.
+
+    `sinks`: `None`, or one logit per row broadcastable to
+    `scores[..., :1]`, which joins `top` and the denominator (gpt-oss's
+    sinks; `fold_sink` folds one into an online softmax).
+    """
+    top = ops.amax(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        top = ops.maximum(top, sinks)
+    exp = ops.exp(ops.subtract(scores, top))
+    total = ops.sum(exp, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = ops.add(total, ops.exp(ops.subtract(sinks, top)))
+    return exp, total
+
+
+def fold_sink(top, total, accumulated, sinks):
+    """An online softmax's state with the sink logits `sinks` joined to its
+    denominator (`exp_and_sum` does it in one pass).
+
+    Args:
+        top: `(.., 1)` the largest logit of each row so far.
+        total: `(.., 1)` the sum of `exp(logit - top)`.
+        accumulated: `(.., V)` the sum of `exp(logit - top) · value`.
+        sinks: one logit per row, broadcastable to `top`; a sink has no
+            value.
+
+    Returns:
+        `(top, total, accumulated)` rescaled to the new `top`.
+    """
+    new_top = ops.maximum(top, sinks)
+    rescale = ops.exp(ops.subtract(top, new_top))
+    total = ops.add(ops.multiply(total, rescale),
+                    ops.exp(ops.subtract(sinks, new_top)))
+    return new_top, total, ops.multiply(accumulated, rescale)
 
 
 def dense_term(spec, query_positions, key_positions, bias, dtype):

@@ -48,24 +48,8 @@ def part(query, key, value, spec, query_positions, key_positions, mask):
     """
     query, key, value = explicit.upcast(query, key, value)
     query, key, value = (ops.cast(x, "float32") for x in (query, key, value))
-    batch, t_len, num_heads, head_dim = query.shape
-    s_len, num_kv = key.shape[1], key.shape[2]
-    groups = num_heads // num_kv
-    batch = ops.shape(query)[0]
-    query = ops.multiply(query, ops.cast(spec.scale, query.dtype))
-    grouped = ops.reshape(
-        query, (batch, t_len, num_kv, groups, head_dim)
-    )  # (B, T, K, G, H)
-    scores = ops.einsum("btkgh,bskh->bkgts", grouped, key)
-    scores = ops.reshape(
-        scores, (batch, num_heads, t_len, s_len)
-    )  # (B, N, T, S)
-    scores = logits.soft_cap(scores, spec.soft_cap)
-    scores = logits.add(
-        scores,
-        logits.dense_term(spec, query_positions, key_positions, None,
-                          scores.dtype),
-    )
+    scores = explicit.modified_logits(query, key, spec, query_positions,
+                                      key_positions, None)
     if mask is not None:
         scores = ops.where(mask, scores, ops.cast(EMPTY, scores.dtype))
     top = ops.amax(scores, axis=-1, keepdims=True)  # (B, N, T, 1)
@@ -79,13 +63,8 @@ def part(query, key, value, spec, query_positions, key_positions, mask):
     lse = ops.where(
         has_key, ops.add(top, ops.log(total)), ops.full_like(top, EMPTY)
     )  # (B, N, T, 1)
-    weights = ops.reshape(
-        weights, (batch, num_kv, groups, t_len, s_len)
-    )  # (B, K, G, T, S)
-    out = ops.einsum("bkgts,bskv->btkgv", weights, value)
-    out = ops.reshape(out, (batch, t_len, num_heads, value.shape[-1]))
     lse = ops.transpose(ops.squeeze(lse, -1), (0, 2, 1))  # (B, T, N)
-    return out, lse
+    return explicit.weighted_values(weights, value), lse
 
 
 def merge(first, second):

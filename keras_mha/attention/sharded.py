@@ -22,13 +22,13 @@ sharded by a `layout_map`) stays with XLA's automatic partitioning.
   blocks around the devices with an online softmax (`ring.py`); causal
   self-attention in zig-zag order, so every device does the same work.
 
-Positions stay global (DESIGN.md, "Context parallelism"): inside a shard
-the queries sit at `left + t` and the received keys from 0, which keeps
-every distance `p - j` of the global call; keys the sequence does not have
-(before the first shard, after the last) are masked. Per-token fields of
-the spec (`_TOKEN_FIELDS`: padding masks and segment ids) are split like
-the tokens and exchanged with the keys; the other tensors of the spec
-(sinks) are replicated.
+Positions stay global (docs/design.md, "One sequence over many devices"):
+inside a shard the queries sit at `left + t` and the received keys from 0,
+which keeps every distance `p - j` of the global call; keys the sequence
+does not have (before the first shard, after the last) are masked.
+Per-token fields of the spec (`_TOKEN_FIELDS`: padding masks and segment
+ids) are split like the tokens and exchanged with the keys; the other
+tensors of the spec (sinks) are replicated.
 """
 
 import dataclasses

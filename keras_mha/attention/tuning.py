@@ -23,12 +23,13 @@ value, e.g. `KERAS_MHA_TUNING=blocked_block=256 python -m benchmarks ...`.
 """
 
 import collections
-import contextlib
 import functools
 import math
 import os
 
-import keras
+import keras_mha.attention.capabilities as capabilities
+import keras_mha.attention.overrides as overrides
+from keras_mha.attention.capabilities import JAX, TENSORFLOW, TORCH
 
 CPU = "cpu"
 GPU = "gpu"
@@ -40,6 +41,11 @@ Entry = collections.namedtuple("Entry", ["value", "reason", "benchmark"])
 
 _BENCH = "python -m benchmarks"
 _SWEEP = "KERAS_MHA_TUNING={} " + _BENCH
+
+
+def _causal(backend, lengths):
+    """The command that times the causal paths on one backend."""
+    return f"{_BENCH} --backends {backend} --lengths {lengths} --windows none"
 _MiB = 1 << 20
 
 TABLE = {
@@ -69,7 +75,7 @@ TABLE = {
         ),
     },
     "native_window": {
-        ("jax", GPU): Entry(
+        (JAX, GPU): Entry(
             True,
             "`jax.nn.dot_product_attention(local_window_size=...)` runs "
             "cuDNN's flash kernel on half precision, skipping the keys "
@@ -103,24 +109,22 @@ TABLE = {
         ),
     },
     "blocked_min_length": {
-        ("jax", ANY): Entry(
+        (JAX, ANY): Entry(
             512,
             "from T = 512 the blocks beat XLA's kernel, which writes the "
             "T x T scores, and the triangle",
-            _BENCH + " --backends jax --lengths 256,512,1024 --windows none",
+            _causal(JAX, "256,512,1024"),
         ),
-        ("tensorflow", ANY): Entry(
+        (TENSORFLOW, ANY): Entry(
             2048,
             "without XLA the fused kernel is as fast as the blocks up to "
             "T = 1024 and slower from T = 2048",
-            _BENCH + " --backends tensorflow --lengths 1024,2048,4096 "
-            "--windows none",
+            _causal(TENSORFLOW, "1024,2048,4096"),
         ),
-        ("torch", ANY): Entry(
+        (TORCH, ANY): Entry(
             1024,
-            "torch's kernel never writes the scores: the blocks take only "
-            "what it cannot (a soft-cap) from T = 1024",
-            _BENCH + " --backends torch --lengths 512,1024,2048 --windows none",
+            "from T = 1024, only what torch's kernel cannot do (a soft-cap)",
+            _causal(TORCH, "512,1024,2048"),
         ),
         (ANY, ANY): Entry(
             math.inf,
@@ -129,7 +133,7 @@ TABLE = {
         ),
     },
     "triangular_min_length": {
-        ("jax", ANY): Entry(
+        (JAX, ANY): Entry(
             1024,
             "from T = 1024 the triangle beats XLA's kernel for the causal "
             "calls the blocks do not take (a bias); at 512 they are even",
@@ -197,7 +201,7 @@ TABLE = {
         ),
     },
     "banded_native_inference_block": {
-        ("torch", ANY): Entry(
+        (TORCH, ANY): Entry(
             32,
             "torch's flash kernel never writes a block's scores: without a "
             "gradient the smallest block wastes least of the span",
@@ -216,7 +220,7 @@ TABLE = {
         ),
     },
     "decode_block": {
-        ("torch", ANY): Entry(
+        (TORCH, ANY): Entry(
             4096,
             "keys per block of a full cache in traced and portable steps: "
             "4,096 beats 1,024 late in a large cache, even early",
@@ -232,7 +236,7 @@ TABLE = {
         ),
     },
     "decode_whole_from": {
-        ("jax", ANY): Entry(
+        (JAX, ANY): Entry(
             0.4,
             "a traced one-token step past this fraction of a large full "
             "cache reads every slot in one pass: XLA copies each block the "
@@ -258,7 +262,7 @@ TABLE = {
         ),
     },
     "decode_native_bias_limit": {
-        ("torch", ANY): Entry(
+        (TORCH, ANY): Entry(
             1 << 24,
             "the native step's additive bias (K|1, G·T, S) per batch row, "
             "64 MiB at most; a larger one reads the cache in blocks",
@@ -266,7 +270,7 @@ TABLE = {
         ),
     },
     "decode_chunk": {
-        ("torch", ANY): Entry(
+        (TORCH, ANY): Entry(
             256,
             "slots per chunk of a long eager step (each chunk one batch row "
             "of the flash kernel): faster than 1,024 and 4,096",
@@ -275,7 +279,7 @@ TABLE = {
         ),
     },
     "decode_chunked_from": {
-        ("torch", ANY): Entry(
+        (TORCH, ANY): Entry(
             32768,
             "from 32,768 slots the chunks beat one call of the kernel; at "
             "16k they are even",
@@ -284,7 +288,7 @@ TABLE = {
         ),
     },
     "capped_step_bytes": {
-        ("torch", ANY): Entry(
+        (TORCH, ANY): Entry(
             2 * _MiB,
             "scores of one step of the soft-capped band without a gradient: "
             "2 MiB beats 256 KiB to 1 MiB and 4 MiB",
@@ -293,7 +297,7 @@ TABLE = {
         ),
     },
     "capped_chunk": {
-        ("torch", ANY): Entry(
+        (TORCH, ANY): Entry(
             4,
             "query blocks per step of the soft-capped band with a gradient: "
             "forward and backward, 2 and 4 beat 8",
@@ -301,7 +305,7 @@ TABLE = {
         ),
     },
     "explicit_cached_step": {
-        ("jax", CPU): Entry(
+        (JAX, CPU): Entry(
             True,
             "a decoding step over a cache of one block: in a compiled loop "
             "XLA fuses the explicit softmax better than the fused kernel's",
@@ -327,7 +331,7 @@ def entry(name, backend=None, platform=None):
             f"Unknown tuning setting. Expected one of {sorted(TABLE)}. "
             f"Received: name={name!r}"
         )
-    backend = backend or keras.backend.backend()
+    backend = capabilities.backend_name(backend)
     platform = platform or device_platform()
     entries = TABLE[name]
     for key in ((backend, platform), (backend, ANY), (ANY, platform),
@@ -367,13 +371,10 @@ def rows():
 
 # ------------------------------------------------------------------ platform
 
-# The platforms `assume_platform` blocks assume, innermost last: a plain
-# list, which `torch.compile` reads as a constant (a `ContextVar` is a graph
-# break).
+# The platforms `assume_platform` blocks assume (`overrides.held`).
 _assumed = []
 
 
-@contextlib.contextmanager
 def assume_platform(platform):
     """Makes `device_platform` answer `platform` inside the block.
 
@@ -381,26 +382,12 @@ def assume_platform(platform):
     read when a path is chosen: a function compiled outside the block keeps
     the path it was traced with.
     """
-    if platform not in PLATFORMS:
-        raise ValueError(
-            f"`platform` must be one of {PLATFORMS}. "
-            f"Received: platform={platform!r}"
-        )
-    _assumed.append(platform)
-    try:
-        yield
-    finally:
-        _assumed.pop()
+    return overrides.held(_assumed, "platform", platform, PLATFORMS)
 
 
-def torch_compiling():
-    """Whether this call is being traced by `torch.compile` (Dynamo): the
-    paths then keep to what Dynamo captures in one graph."""
-    if keras.backend.backend() != "torch":
-        return False
-    import torch
-
-    return torch.compiler.is_compiling()
+# Whether this call is being traced by `torch.compile` (Dynamo): the old
+# name of `capabilities.compiling_one_graph`.
+torch_compiling = capabilities.compiling_one_graph
 
 
 def device_platform(*tensors):
@@ -414,7 +401,7 @@ def device_platform(*tensors):
     """
     if _assumed:
         return _assumed[-1]
-    backend = keras.backend.backend()
+    backend = capabilities.backend_name()
     for x in tensors:
         found = _tensor_platform(backend, x)
         if found is not None:
@@ -434,43 +421,14 @@ def _named(device_kind):
 
 def _tensor_platform(backend, x):
     """The platform tensor `x` lives on, or `None` where it does not say."""
-    if backend == "torch":
-        device = getattr(x, "device", None)
-        kind = getattr(device, "type", None)
-        return None if kind in (None, "meta") else _named(kind)
-    if backend == "jax":
-        import jax
-
-        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-            return None
-        return _named(next(iter(x.devices())).platform)
-    if backend == "tensorflow":
-        device = getattr(x, "device", "") or ""
-        kind = device.rpartition("device:")[2].partition(":")[0]
-        return _named(kind) if kind else None
-    return CPU if backend == "numpy" else None
+    kind = capabilities.device_kind(x, backend)
+    return None if kind is None else _named(kind)
 
 
 @functools.lru_cache(maxsize=None)
 def _default_platform(backend):
-    if backend == "jax":
-        import jax
-
-        return _named(jax.default_backend())
-    if backend == "torch":
-        import torch
-
-        mps = getattr(torch.backends, "mps", None)
-        if torch.cuda.is_available() or (mps is not None and mps.is_available()):
-            return GPU
-        return CPU
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        for kind in ("TPU", "GPU"):
-            if tf.config.list_logical_devices(kind):
-                return _named(kind)
-    return CPU
+    """The platform of the backend's default device, once per backend."""
+    return _named(capabilities.default_device_kind(backend))
 
 
 # --------------------------------------------------------------- environment

@@ -37,6 +37,7 @@ from keras_mha.checks.inputs import call_arguments
 from keras_mha.checks.cache import cache_index
 from keras_mha.checks.cache import cache_call
 from keras_mha.checks.cache import cache_parts
+from keras_mha.checks.cache import cache_slots
 from keras_mha.checks.cache import cache_tensor
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "cache_call",
     "cache_index",
     "cache_parts",
+    "cache_slots",
     "cache_tensor",
     "call_arguments",
     "choice",

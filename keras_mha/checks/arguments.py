@@ -6,37 +6,46 @@ import numbers
 import keras
 import numpy as np
 
-def positive_int(name, value, allow_none=False):
-    """`value` as a Python int (NumPy integers too), or `None`."""
+# Each kind of positive value: its type, whether it is in range, its
+# Python form, and the error's wording (an integer's is Keras's).
+_POSITIVE = {
+    "integer": (
+        numbers.Integral, lambda value: value > 0, int,
+        "Received an invalid value for argument `{name}`, expected "
+        "{expected}. Received: {name}={value!r}",
+    ),
+    "number": (
+        numbers.Real, lambda value: 0.0 < float(value) < float("inf"), float,
+        "Argument `{name}` must be {expected}. Received: {name}={value!r}",
+    ),
+}
+
+
+def _positive(kind, name, value, allow_none):
+    """`value` as a positive Python `kind` of `_POSITIVE`, or `None`."""
     if value is None and allow_none:
         return None
+    kind_type, in_range, python_form, message = _POSITIVE[kind]
     if (
         isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or value <= 0
+        or not isinstance(value, kind_type)
+        or not in_range(value)
     ):
-        expected = "a positive integer" + (" or `None`" if allow_none else "")
+        expected = f"a positive {kind}" + (" or `None`" if allow_none else "")
         raise ValueError(
-            f"Received an invalid value for argument `{name}`, expected "
-            f"{expected}. Received: {name}={value!r}"
+            message.format(name=name, expected=expected, value=value)
         )
-    return int(value)
+    return python_form(value)
+
+
+def positive_int(name, value, allow_none=False):
+    """`value` as a Python int (NumPy integers too), or `None`."""
+    return _positive("integer", name, value, allow_none)
 
 
 def positive_number(name, value, allow_none=False):
     """`value` as a Python float `> 0` (finite), or `None`."""
-    if value is None and allow_none:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not 0.0 < float(value) < float("inf")
-    ):
-        expected = "a positive number" + (" or `None`" if allow_none else "")
-        raise ValueError(
-            f"Argument `{name}` must be {expected}. Received: {name}={value!r}"
-        )
-    return float(value)
+    return _positive("number", name, value, allow_none)
 
 
 def boolean(name, value):

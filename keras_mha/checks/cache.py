@@ -5,8 +5,19 @@ import numbers
 import keras
 
 from keras_mha.attention import cache as cache_lib
+from keras_mha.checks.arguments import boolean
 from keras_mha.checks.arguments import dims_agree
+from keras_mha.checks.arguments import positive_int
 from keras_mha.checks.arguments import shape_and_dtype
+
+def cache_slots(layer, batch_size, max_length, in_place):
+    """Checks the arguments of `layer.init_cache`; returns its cache's
+    number of slots: `max_length`, or the rolling cache's."""
+    positive_int("batch_size", batch_size)
+    positive_int("max_length", max_length)
+    boolean("in_place", in_place)
+    return layer._rolling_slots if layer.rolling_cache else max_length
+
 
 def cache_index(index, length, num_slots, rolling):
     """Checks `cache_update_index`: a Python or scalar integer tensor.
@@ -94,15 +105,22 @@ def cache_call(
     expected = cache_lib.cache_shapes(
         query.shape[0], num_slots, num_kv_heads, key_dim, value_dim
     )
+    part_shapes(cache, expected, "`(keys, values, valid)` of shapes "
+                "(B, L, K, H), (B, L, K, V) and (B, L)")
+    cache_index(index, query.shape[1], keys.shape[1], window is not None)
+
+
+def part_shapes(cache, expected, described):
+    """Checks each part of the tuple `cache` against its shape in
+    `expected` (`None` sizes are unknown); `described` says what the
+    parts are and their shapes."""
     for i, (part, want) in enumerate(zip(cache, expected)):
         shape = tuple(part.shape)
         if len(shape) != len(want) or not dims_agree(shape, want):
             raise ValueError(
-                "`cache` must be `(keys, values, valid)` of shapes "
-                f"(B, L, K, H), (B, L, K, V) and (B, L) = {expected} (see "
+                f"`cache` must be {described} = {expected} (see "
                 f"`init_cache`). Received: cache[{i}].shape={shape}"
             )
-    cache_index(index, query.shape[1], keys.shape[1], window is not None)
 
 
 def cache_parts(cache):

@@ -119,6 +119,16 @@ def mask_argument(name, value, targets, broadcast=True):
         )
 
 
+def defined_features(name, shape):
+    """Checks that the input `name`'s last dimension, its features, is
+    known."""
+    if shape[-1] is None:
+        raise ValueError(
+            f"The last dimension of `{name}` must be defined. "
+            f"Received: {name}.shape={shape}"
+        )
+
+
 def input_shapes(query_shape, value_shape, key_shape, axes):
     """Checks the shapes of `query`, `value` and `key` against each other.
 
@@ -154,11 +164,7 @@ def input_shapes(query_shape, value_shape, key_shape, axes):
             f"key.shape={key_shape}"
         )
     for name, shape in (("query", query_shape), ("key", key_shape)):
-        if shape[-1] is None:
-            raise ValueError(
-                f"The last dimension of `{name}` must be defined. "
-                f"Received: {name}.shape={shape}"
-            )
+        defined_features(name, shape)
     # Validates the axes too. `value` is compared with `query`: it is
     # always given, and `key` agrees with it.
     layout = AxesLayout(len(query_shape), axes)
@@ -323,11 +329,13 @@ def call_arguments(
     attention_bias=None,
     segment_ids=None,
     key_segment_ids=None,
+    training=None,
 ):
     """Checks a call of `layer` from shapes and dtypes alone.
 
     Runs in `call` and in `compute_output_spec`, so bad inputs fail
     while a Functional model is built, and never as a backend error.
+    Takes every argument of the call; `training` needs no check.
     """
     key = value if key is None else key
     shapes, layout = built_inputs(layer, query, value, key)

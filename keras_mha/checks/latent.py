@@ -5,6 +5,8 @@ import keras
 
 from keras_mha.checks.arguments import dims_agree
 from keras_mha.checks.cache import cache_index
+from keras_mha.checks.cache import part_shapes
+from keras_mha.checks.inputs import defined_features
 from keras_mha.checks.inputs import mask_argument
 
 
@@ -15,11 +17,7 @@ def shapes(query_shape, value_shape):
                 f"`{name}` must have rank 3 (batch, sequence, features). "
                 f"Received: {name}.shape={shape}"
             )
-        if shape[-1] is None:
-            raise ValueError(
-                f"The last dimension of `{name}` must be defined. "
-                f"Received: {name}.shape={shape}"
-            )
+        defined_features(name, shape)
     if not dims_agree(query_shape[:1], value_shape[:1]):
         raise ValueError(
             "`query` and `value` must have the same batch size. Received: "
@@ -28,8 +26,13 @@ def shapes(query_shape, value_shape):
 
 
 def call(layer, query, value, key, query_mask, value_mask, key_mask,
-                attention_mask, use_causal_mask, cache, cache_update_index):
-    """Checks a call from shapes and dtypes alone (eager and symbolic)."""
+         attention_mask, use_causal_mask, cache, cache_update_index,
+         return_attention_scores=False, training=None):
+    """Checks a call from shapes and dtypes alone (eager and symbolic).
+
+    Takes every argument of the call; `return_attention_scores` and
+    `training` need no check.
+    """
     query_shape, value_shape = tuple(query.shape), tuple(value.shape)
     shapes(query_shape, value_shape)
     if key is not None and key is not value:
@@ -110,15 +113,8 @@ def _cache(layer, cache, batch):
         (batch, slots, layer._qk_rope_head_dim),
         (batch, slots),
     )
-    for i, (part, want) in enumerate(zip(cache, expected)):
-        shape = tuple(part.shape)
-        if len(shape) != len(want) or not dims_agree(shape, want):
-            raise ValueError(
-                "`cache` must be `(latents, rope_keys, valid)` of shapes "
-                f"(B, L, kv_lora_rank), (B, L, qk_rope_head_dim) and (B, L) "
-                f"= {expected} (see `init_cache`). Received: "
-                f"cache[{i}].shape={shape}"
-            )
+    part_shapes(cache, expected, "`(latents, rope_keys, valid)` of shapes "
+                "(B, L, kv_lora_rank), (B, L, qk_rope_head_dim) and (B, L)")
     valid = keras.backend.standardize_dtype(cache[2].dtype)
     if valid != "bool":
         raise TypeError(

@@ -53,6 +53,64 @@ def run_child(backend, args):
 # -------------------------------------------------------------------- parser
 
 
+# `info`'s call configuration: switches (flag, help) and sizes (flag,
+# metavar, help).
+_INFO_SWITCHES = (
+    ("--return-scores", "return_attention_scores=True"),
+    ("--dropout-training", "dropout > 0 and training=True"),
+    ("--causal", "use_causal_mask=True"),
+    ("--query-mask", "the query has a Keras mask (B, T), e.g. padding"),
+    ("--value-mask", "the value has a Keras mask (B, S), e.g. padding"),
+    ("--key-mask", "the key has a Keras mask (B, S)"),
+    ("--attention-mask", "a dense attention_mask (B, T, S) is given"),
+    ("--cache", "the call decodes with a key/value cache"),
+)
+_INFO_SIZES = (
+    ("--key-dim", "H", "key_dim (default 64)"),
+    ("--value-dim", "V", "value_dim (default: key_dim)"),
+    ("--sliding-window", "W", "sliding_window"),
+    ("--query-length", "T", "query length (default 128)"),
+    ("--key-length", "S", "key/value length (default: query length)"),
+)
+# `bench`'s, as `info`'s.
+_BENCH_SIZES = (
+    ("--batch", "B", "batch size (default 1)"),
+    ("--heads", "N", "number of heads (default 8)"),
+    ("--key-dim", "H", "size of each head (default 64)"),
+)
+_BENCH_SWITCHES = (
+    ("--causal", "use_causal_mask=True"),
+    ("--backward", "time forward+backward: the gradients with respect to "
+     "the input and the weights"),
+    ("--features", "time our layer (causal) with each feature of real "
+     "checkpoints (qk_norm, chunks of w, a YaRN RoPE, the query "
+     "temperature) against the same layer without, alternately (default "
+     "T=16k, w=128)"),
+    ("--decode", "time one eager decode step instead: keras-hub's "
+     "CachedMultiHeadAttention, ours with a cache the caller owns (the "
+     "default) and ours with an in-place cache, at p=1k in caches of "
+     "--lengths slots (default 64k)"),
+    ("--latent", "with --decode: time one eager decode step of "
+     "MultiHeadLatentAttention instead (DeepSeek V3's head sizes, --heads "
+     "default 16): absorbed with a cache the caller owns and in place, "
+     "expanded, and MultiHeadAttention with the same heads, at p=L/2 in "
+     "caches of --lengths slots (default 32k)"),
+)
+
+
+def _add_switches(parser, switches):
+    """A `store_true` flag per `(flag, help)` of `switches`."""
+    for flag, help_text in switches:
+        parser.add_argument(flag, action="store_true", help=help_text)
+
+
+def _add_sizes(parser, sizes):
+    """A positive-integer flag per `(flag, metavar, help)` of `sizes`."""
+    for flag, metavar, help_text in sizes:
+        parser.add_argument(flag, type=positive_int, metavar=metavar,
+                            help=help_text)
+
+
 def _add_backend_flag(parser, what):
     parser.add_argument(
         "--backend",
@@ -97,34 +155,8 @@ def build_parser():
     )
     _add_backend_flag(info, "info")
     config = info.add_argument_group("call configuration")
-    config.add_argument("--return-scores", action="store_true",
-                        help="return_attention_scores=True")
-    config.add_argument("--dropout-training", action="store_true",
-                        help="dropout > 0 and training=True")
-    config.add_argument("--causal", action="store_true",
-                        help="use_causal_mask=True")
-    config.add_argument("--query-mask", action="store_true",
-                        help="the query has a Keras mask (B, T), e.g. "
-                        "padding")
-    config.add_argument("--value-mask", action="store_true",
-                        help="the value has a Keras mask (B, S), e.g. "
-                        "padding")
-    config.add_argument("--key-mask", action="store_true",
-                        help="the key has a Keras mask (B, S)")
-    config.add_argument("--attention-mask", action="store_true",
-                        help="a dense attention_mask (B, T, S) is given")
-    config.add_argument("--cache", action="store_true",
-                        help="the call decodes with a key/value cache")
-    config.add_argument("--key-dim", type=positive_int,
-                        metavar="H", help="key_dim (default 64)")
-    config.add_argument("--value-dim", type=positive_int, metavar="V",
-                        help="value_dim (default: key_dim)")
-    config.add_argument("--sliding-window", type=positive_int, metavar="W",
-                        help="sliding_window")
-    config.add_argument("--query-length", type=positive_int,
-                        metavar="T", help="query length (default 128)")
-    config.add_argument("--key-length", type=positive_int, metavar="S",
-                        help="key/value length (default: query length)")
+    _add_switches(config, _INFO_SWITCHES)
+    _add_sizes(config, _INFO_SIZES)
 
     compare = commands.add_parser(
         "compare",
@@ -161,35 +193,8 @@ def build_parser():
     bench.add_argument("--window", metavar="W,W",
                        help="sliding windows, 'none' for none, e.g. none,128 "
                        "(default none)")
-    bench.add_argument("--batch", type=positive_int, metavar="B",
-                       help="batch size (default 1)")
-    bench.add_argument("--heads", type=positive_int, metavar="N",
-                       help="number of heads (default 8)")
-    bench.add_argument("--key-dim", type=positive_int, metavar="H",
-                       help="size of each head (default 64)")
-    bench.add_argument("--causal", action="store_true",
-                       help="use_causal_mask=True")
-    bench.add_argument("--backward", action="store_true",
-                       help="time forward+backward: the gradients with "
-                       "respect to the input and the weights")
-    bench.add_argument("--features", action="store_true",
-                       help="time our layer (causal) with each feature of "
-                       "real checkpoints (qk_norm, chunks of w, a YaRN "
-                       "RoPE, the query temperature) against the same "
-                       "layer without, alternately (default T=16k, w=128)")
-    bench.add_argument("--decode", action="store_true",
-                       help="time one eager decode step instead: keras-hub's "
-                       "CachedMultiHeadAttention, ours with a cache the "
-                       "caller owns (the default) and ours with an in-place "
-                       "cache, at p=1k in caches of --lengths slots "
-                       "(default 64k)")
-    bench.add_argument("--latent", action="store_true",
-                       help="with --decode: time one eager decode step of "
-                       "MultiHeadLatentAttention instead (DeepSeek V3's "
-                       "head sizes, --heads default 16): absorbed with a "
-                       "cache the caller owns and in place, expanded, and "
-                       "MultiHeadAttention with the same heads, at p=L/2 "
-                       "in caches of --lengths slots (default 32k)")
+    _add_sizes(bench, _BENCH_SIZES)
+    _add_switches(bench, _BENCH_SWITCHES)
     bench.add_argument("--repeats", type=positive_int, metavar="R",
                        help="timed calls of each layer (default 10)")
     bench.add_argument("--plot", metavar="FILE.png",
@@ -247,22 +252,26 @@ def _parse(argv):
     return args
 
 
+def _here_or_child(args, child_args, run):
+    """The command of `args` run here, Keras imported first (`run()`), or
+    with `--backend` in a child process given `child_args`."""
+    if args.backend is not None:
+        return run_child(args.backend, [args.command, *child_args])
+    import_keras()
+    return run()
+
+
 def _dispatch(args):
     if args.command == "demo":
-        if args.backend is not None:
-            plot = [] if args.plot is None else ["--plot", args.plot]
-            return run_child(args.backend, ["demo", *plot])
-        import_keras()
         from keras_mha.cli import demo
 
-        return demo.run(plot=args.plot)
+        plot = [] if args.plot is None else ["--plot", args.plot]
+        return _here_or_child(args, plot, lambda: demo.run(plot=args.plot))
     if args.command == "info":
         from keras_mha.cli import info
 
-        if args.backend is not None:
-            return run_child(args.backend, ["info", *info.config_args(args)])
-        import_keras()
-        return info.run(args)
+        return _here_or_child(args, info.config_args(args),
+                              lambda: info.run(args))
     if args.command == "compare":
         from keras_mha.cli import compare
 
@@ -277,10 +286,8 @@ def _dispatch(args):
     if args.command == "bench":
         from keras_mha.cli import bench
 
-        if args.backend is not None:
-            return run_child(args.backend, ["bench", *bench.child_args(args)])
-        import_keras()
-        return bench.run(args)
+        return _here_or_child(args, bench.child_args(args),
+                              lambda: bench.run(args))
     if args.command == "test":
         from keras_mha.cli import testrun
 

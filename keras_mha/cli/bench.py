@@ -28,7 +28,6 @@ the same layer without it instead (`bench_features.py`), causal, by
 default at T=16k and w=128.
 """
 
-import importlib.util
 import math
 import os
 import platform
@@ -36,9 +35,9 @@ import statistics
 import time
 
 from keras_mha.cli.common import CLIError
+from keras_mha.cli.common import check_plot
 from keras_mha.cli.common import device_line
 
-INSTALL_PLOT = 'pip install "keras-mha[plot]"'
 LAYERS = ("keras", "ours")
 # Keras's layer holds its `(B, N, T, T)` float32 scores and a few more
 # arrays of that size (this many, forward and backward); on a CPU, a size
@@ -293,7 +292,7 @@ def run(args):
         raise CLIError("--plot draws Keras's layer against ours: not with "
                        "--features")
     if args.plot is not None:
-        _check_plot(args.plot)
+        check_plot(args.plot)
     shape = {"batch": args.batch or 1, "heads": args.heads or 8,
              "key_dim": args.key_dim or 64}
     device = device_name()
@@ -482,15 +481,6 @@ def _table(rows, shape, causal, mode, repeats):
 
 
 # --------------------------------------------------------------------- plot
-
-
-def _check_plot(path):
-    if importlib.util.find_spec("matplotlib") is None:
-        raise CLIError(f"--plot needs matplotlib: {INSTALL_PLOT}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise CLIError(f"cannot write plot to {path}: {folder} is not a "
-                       "writable folder")
 
 
 def _save_plot(rows, path, shape, causal, mode, device):

@@ -223,6 +223,20 @@ def read_json(path, what):
         raise CLIError(f"{what} {path} is not valid JSON: {error}")
 
 
+INSTALL_PLOT = 'pip install "keras-mha[plot]"'
+
+
+def check_plot(path):
+    """A `CLIError` unless a plot can be written to `path`: matplotlib is
+    installed and the folder is writable."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CLIError(f"--plot needs matplotlib: {INSTALL_PLOT}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise CLIError(f"cannot write plot to {path}: {folder} is not a "
+                       "writable folder")
+
+
 def device_line(device):
     """The first line of a benchmark's output: the device, the active
     backend and its version, Keras's version."""

@@ -12,12 +12,11 @@ is meant). The weights printed are the layer's own, on the active backend:
 softmax(q·k / sqrt(2)) over the three keys.
 """
 
-import importlib.util
-import os
-
 import numpy as np
 
+from keras_mha.cli.common import INSTALL_PLOT
 from keras_mha.cli.common import CLIError
+from keras_mha.cli.common import check_plot
 
 TOKENS = ("банк", "у", "реки")
 
@@ -56,7 +55,6 @@ OUTPUT_KERNEL = np.array(  # (N, V, E)
     dtype="float32",
 )
 
-INSTALL_PLOT = 'pip install "keras-mha[plot]"'
 
 
 def attention_weights():
@@ -83,12 +81,7 @@ def run(plot=None):
     import keras
 
     if plot is not None:
-        if importlib.util.find_spec("matplotlib") is None:
-            raise CLIError(f"--plot needs matplotlib: {INSTALL_PLOT}")
-        folder = os.path.dirname(os.path.abspath(plot))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise CLIError(f"cannot write plot to {plot}: {folder} is not a "
-                           "writable folder")
+        check_plot(plot)
     weights = attention_weights()
     word = 0
     print(f'Attention weights of "{TOKENS[word]}" in "{" ".join(TOKENS)}" '
