@@ -121,7 +121,8 @@ def run(sizes, repeats, train=True):
         valid[:, :position] = True
         cache = tuple(backend.tensor(x) for x in (latents, rope_keys, valid))
         if mode == IN_PLACE:
-            cache = cache_lib.mark_in_place(cache)
+            cache = cache_lib.mark_in_place(cache,
+                                            cache_lib.InPlaceLatentCache)
         state = {"cache": cache, "index": backend.index(position),
                  "mask": None}
         with latent_lib.force_computation(how):

@@ -3,9 +3,10 @@
 A drop-in for `keras_hub.layers.CachedMultiHeadAttention`: the same call,
 cache layout `(B, 2, S, K, H)` and results, computed by projecting with the
 layer's weights, describing the call as an `AttentionSpec` and handing it to
-`keras_mha.attention` (`attend`, or `decode.decode_attention` for a step
-that writes the cache), so every feature of `MultiHeadAttention` works here
-too.
+`keras_mha.attention` (`attend`, or `attend_cached`, the one cached call of
+every layer, for a step that writes the cache), so every feature of
+`MultiHeadAttention` works here too. The layer adapts keras-hub's call and
+cache layout only: which route and which path run is the dispatch rule's.
 """
 
 import keras
@@ -16,10 +17,9 @@ from keras_mha import heads as heads_lib
 from keras_mha import hooks
 from keras_mha import vllm
 from keras_mha.attention import attend
+from keras_mha.attention import attend_cached
 from keras_mha.attention import cache as cache_lib
-from keras_mha.attention import decode
-from keras_mha.attention import dispatch
-from keras_mha.attention import tuning
+from keras_mha.attention import cache_layouts
 from keras_mha.layer import MultiHeadAttention
 
 
@@ -48,8 +48,9 @@ class CachedMultiHeadAttention(MultiHeadAttention):
       `MultiHeadAttention.init_cache` says),
       and the queries attend over the updated cache, reading only the slots
       below `i + L`: a step's cost follows its position, not `S`. A
-      cache of one block or less (`decode.block_size_for()`) is read whole,
-      as are returned scores and dropout.
+      cache of one block or less (the tuning table's `decode_block`) is
+      read whole, as are returned scores and dropout
+      (`dispatch.cache_route`).
 
     Positions: key slot `j` holds position `j`; queries sit at `i + t` with
     an index, at `t` otherwise. The causal mask is the caller's (as in
@@ -97,7 +98,8 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             `(B|1, N|1, T, S)`. `S` is the keys' length, or the cache's
             `S` with a cache.
         cache: `None`, or `(B, 2, S, K, H)` floats: keys at `[:, 0]`, values
-            at `[:, 1]` (see `init_cache`).
+            at `[:, 1]` (see `init_cache`); or such a tensor in an
+            `InPlacePairCache` (`init_cache(..., in_place=True)`).
         cache_update_index: `None`, or an int or scalar integer tensor: the
             slot where the new keys and values are written. Only with a
             cache.
@@ -129,6 +131,7 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         if serving is not None:  # keras-hub's vLLM route
             return vllm.paged_attention(self, query, value, key, cache,
                                         serving, return_attention_scores)
+        given, cache = cache, cache_lib.pair_tensor(cache)  # the tensor
         _check_call(
             self, query, value, key, attention_mask, cache,
             cache_update_index, return_attention_scores,
@@ -145,61 +148,23 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             v = heads_lib.values(self, v)
         spec = self._describe(query, key, attention_mask, training,
                               return_attention_scores)
-        if cache is not None:  # its cache is read whole on one device
-            spec = spec.replace(sharding=None)
-        # The position-following step, which reads the slots below the
-        # limit; a cache of one block or less is read whole (below).
-        stepped = (
-            cache is not None
-            and cache_update_index is not None
-            and not (return_attention_scores or spec.dropout)
-            and cache.shape[2] > decode.block_size_for()
-        )
-        limit = None
-        if cache is not None and cache_update_index is not None:
-            # Written in place for an in-place cache (see
-            # `attention.cache`); slots after the new ones are never read.
-            cache, cached_k, cached_v = cache_lib.write_pair(
-                cache, k, v, cache_update_index, halves=not stepped
+        if cache is None:
+            context, scores = attend(q, k, v, spec)  # (B', T, N, V)
+            if return_attention_scores:
+                scores = layout.scores_from_sequence(scores, query, key)
+        elif cache_update_index is None:  # the cache as it is
+            # A cache is read whole on one device (no `sharding`).
+            k = ops.cast(cache[:, 0], q.dtype)  # (B, S, K, H)
+            v = ops.cast(cache[:, 1], q.dtype)  # (B, S, K, V)
+            context, scores = attend(q, k, v, spec.replace(sharding=None))
+        else:  # the one cached call, in keras-hub's layout
+            context, scores, given = attend_cached(
+                q, k, v, spec.replace(sharding=None), given,
+                cache_update_index, rolling=False, layout=cache_layouts.PAIR,
             )
-            limit = ops.cast(cache_update_index, "int32") + ops.shape(k)[1]
-        if stepped:
-            context = decode.decode_attention(
-                q, cache, spec.replace(query_offset=cache_update_index),
-                rolling=False, layout=decode.PAIR, limit=limit,
-            )
-            scores = None
-        else:
-            if limit is not None:  # the keys and values just written
-                if cached_k is None:  # written in place
-                    cached_k, cached_v = cache[:, 0], cache[:, 1]
-                k, v = ops.cast(cached_k, q.dtype), ops.cast(cached_v, q.dtype)
-            elif cache is not None:
-                k = ops.cast(cache[:, 0], q.dtype)  # (B, S, K, H)
-                v = ops.cast(cache[:, 1], q.dtype)  # (B, S, K, V)
-            if limit is not None:
-                spec = spec.replace(
-                    query_offset=cache_update_index,
-                    key_mask=_written(ops.shape(k)[1], limit),
-                )
-            if (
-                limit is not None
-                and tuning.value("explicit_cached_step", q)
-                and dispatch.forced_path() is None
-            ):
-                # A step over a cache of one block: inside a compiled
-                # decode loop XLA on CPU fuses the explicit softmax better
-                # than `jax.nn.dot_product_attention`'s.
-                with dispatch.force_path(dispatch.EXPLICIT):
-                    context, scores = attend(q, k, v, spec)
-            else:
-                context, scores = attend(q, k, v, spec)  # (B', T, N, V)
-
-        if return_attention_scores and cache is None:
-            scores = layout.scores_from_sequence(scores, query, key)
         return self._project_back(
             context, gate, query,
-            scores if return_attention_scores else None, cache,
+            scores if return_attention_scores else None, given,
         )
 
     def compute_output_spec(self, *args, **kwargs):
@@ -253,7 +218,11 @@ class CachedMultiHeadAttention(MultiHeadAttention):
 
         Returns:
             A `(B, 2, S, K, H)` tensor of zeros in the compute dtype, the
-            layout of keras-hub's cache.
+            layout of keras-hub's cache; with `in_place=True` (on a backend
+            with an in-place write), that tensor in a
+            `keras_mha.attention.cache.InPlacePairCache`, the value that
+            says the layer may write it, which each call returns in turn
+            (`cache.keys_and_values` is the tensor).
         """
         slots = checks.cache_slots(self, batch_size, max_length, in_place)
         _check_cache_heads(self)
@@ -263,19 +232,13 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         return cache_lib.mark_in_place(cache) if in_place else cache
 
 
-def _written(num_slots, limit):
-    """`(1, S)` boolean: the slots below `limit`, written; a slot after them
-    is never visible. Each slot `j` holds position `j` (the spec's default
-    key positions)."""
-    return (ops.arange(num_slots, dtype="int32") < limit)[None, :]
-
-
 def _check_cache_heads(layer):
-    if layer._value_dim != layer._key_dim:
+    if layer.settings.value_dim != layer.settings.key_dim:
         raise ValueError(
             "A cache `(B, 2, S, K, H)` holds keys and values in one tensor: "
             "it needs `value_dim == key_dim`. Received: "
-            f"key_dim={layer._key_dim}, value_dim={layer._value_dim}"
+            f"key_dim={layer.settings.key_dim}, "
+            f"value_dim={layer.settings.value_dim}"
         )
 
 
@@ -309,7 +272,7 @@ def _check_call(
             "attention_mask",
             attention_mask,
             layout.attention_mask_targets(
-                shapes["query"], key_shape, layer._num_heads
+                shapes["query"], key_shape, layer.settings.num_heads
             ),
         )
 
@@ -323,8 +286,8 @@ def _check_cache(layer, layout, shapes, cache):
     checks.cache_tensor(cache)
     _check_cache_heads(layer)
     expected = (
-        shapes["query"][0], 2, None, layer._num_key_value_heads,
-        layer._key_dim,
+        shapes["query"][0], 2, None, layer.settings.num_key_value_heads,
+        layer.settings.key_dim,
     )
     shape = tuple(cache.shape)
     if len(shape) != 5 or not checks.dims_agree(shape, expected):

@@ -1,9 +1,10 @@
 """What a layer call asks of attention: its `AttentionSpec`, and its path.
 
-The layer describes each call once, from its own arguments (scale, window,
-soft-cap, sinks, ALiBi) and the call's (masks, causal, dropout, bias,
-segment ids); `attention_path` describes a call from shapes alone and asks
-the dispatch rule which path it would take.
+The layer describes each call once, from its settings (`layer.settings`:
+scale, window, chunks, soft-cap, ALiBi), its sinks and the call's arguments
+(masks, causal, dropout, bias, segment ids), passed by keyword;
+`attention_path` describes a call from shapes alone and asks the dispatch
+rule which path it would take.
 """
 
 import keras
@@ -17,48 +18,50 @@ from keras_mha.attention import spec as spec_lib
 
 
 def describe(
-    layer, query_tokens, key_tokens, dense_mask, use_causal_mask, training,
-    return_attention_scores, attention_bias=None, segment_ids=None,
-    key_segment_ids=None,
+    layer, *, query_tokens=None, key_tokens=None, dense_mask=None,
+    use_causal_mask=False, training=None, return_attention_scores=False,
+    attention_bias=None, segment_ids=None, key_segment_ids=None, seed=None,
 ):
     """The `AttentionSpec` of a call of `layer` without a cache.
 
     Args:
-        layer: the `MultiHeadAttention`.
+        layer: the `MultiHeadAttention` or `MultiHeadLatentAttention`: its
+            `settings` and its `sinks`.
         query_tokens, key_tokens: boolean `(B', T)`, `(B', S)` or `None`.
         dense_mask: boolean `(B'|1, N|1, T, S)` or `None`.
         use_causal_mask, training, return_attention_scores: as in `call`.
         attention_bias: checked, broadcastable to `(B, N, T, S)`, or `None`.
         segment_ids, key_segment_ids: checked integer ids, or `None` (the
             keys share the queries' ids when only `segment_ids` is given).
+        seed: the layer's dropout `SeedGenerator` (a built layer's), read
+            when the call drops weights.
     """
-    dropout = layer._dropout if training else 0.0
+    settings = layer.settings
+    dropout = settings.dropout if training else 0.0
     if segment_ids is not None:
         if key_segment_ids is None:
             key_segment_ids = segment_ids
         segment_ids = ops.convert_to_tensor(segment_ids)
         key_segment_ids = ops.convert_to_tensor(key_segment_ids)
     return spec_lib.AttentionSpec(
-        scale=layer._scale,
+        scale=settings.scale,
         causal=bool(use_causal_mask),
-        window=spec_lib.window_sides(layer._sliding_window, use_causal_mask),
-        chunk=getattr(layer, "_attention_chunk_size", None),  # latent: none
+        window=spec_lib.window_sides(settings.sliding_window, use_causal_mask),
+        chunk=settings.attention_chunk_size,
         query_mask=query_tokens,
         key_mask=key_tokens,
         attention_mask=dense_mask,
         dropout=dropout,
-        seed=layer._dropout_layer.seed_generator
-        if dropout and layer.built
-        else None,
+        seed=seed if dropout else None,
         return_weights=bool(return_attention_scores),
-        flash_attention=layer._flash_attention,
+        flash_attention=settings.flash_attention,
         bias=None if attention_bias is None else _rank4(attention_bias),
-        soft_cap=layer._soft_cap,
+        soft_cap=settings.attn_logits_soft_cap,
         # The variable's tensor: torch.compile breaks its graph on
         # `ops.cast` of a Keras variable.
         sinks=None if layer.sinks is None else layer.sinks.value,
-        alibi=logits_lib.alibi_slopes(layer._num_heads)
-        if layer._use_alibi
+        alibi=logits_lib.alibi_slopes(settings.num_heads)
+        if settings.use_alibi
         else None,
         segment_ids=segment_ids,
         key_segment_ids=key_segment_ids,
@@ -67,34 +70,37 @@ def describe(
 
 
 def attention_path(
-    layer, query_shape, value_shape, key_shape, given, use_causal_mask,
-    return_attention_scores, training, cache,
+    layer, query_shape, value_shape, key_shape=None, *, given,
+    use_causal_mask=False, return_attention_scores=False, training=False,
+    cache=False,
 ):
     """The path a call of `layer` would run (see
     `MultiHeadAttention.attention_path`); `given` holds which optional
     tensors the call has, by argument name."""
+    settings = layer.settings
     query_shape, value_shape = tuple(query_shape), tuple(value_shape)
     key_shape = value_shape if key_shape is None else tuple(key_shape)
     layout = checks.input_shapes(
-        query_shape, value_shape, key_shape, layer._attention_axes
+        query_shape, value_shape, key_shape, settings.attention_axes
     )
     t_len = layout.sequence_length(query_shape)
     s_len = layout.sequence_length(key_shape)
-    batch, heads = query_shape[0], layer._num_heads
+    batch, heads = query_shape[0], settings.num_heads
 
     def placeholder(name, shape, dtype="bool"):
         return keras.KerasTensor(shape, dtype=dtype) if given[name] else None
 
     spec = describe(
         layer,
-        placeholder("query_mask", (batch, t_len)),
-        placeholder("key_mask", (batch, s_len)),
-        placeholder("attention_mask", (batch, heads, t_len, s_len)),
-        use_causal_mask,
-        training,
-        return_attention_scores,
-        placeholder("attention_bias", (batch, heads, t_len, s_len), "float32"),
-        placeholder("segment_ids", (batch, t_len), "int32"),
+        query_tokens=placeholder("query_mask", (batch, t_len)),
+        key_tokens=placeholder("key_mask", (batch, s_len)),
+        dense_mask=placeholder("attention_mask", (batch, heads, t_len, s_len)),
+        use_causal_mask=use_causal_mask,
+        training=training,
+        return_attention_scores=return_attention_scores,
+        attention_bias=placeholder("attention_bias",
+                                   (batch, heads, t_len, s_len), "float32"),
+        segment_ids=placeholder("segment_ids", (batch, t_len), "int32"),
     )
     if cache:
         spec = spec.replace(
@@ -102,12 +108,13 @@ def attention_path(
             key_positions=keras.KerasTensor((None,), dtype="int32"),
         )
         s_len = None
-    shapes = dispatch.Shapes(t_len, s_len, layer._key_dim, layer._value_dim,
-                             batch, heads)
+    shapes = dispatch.Shapes(t_len, s_len, settings.key_dim,
+                             settings.value_dim, batch, heads)
     return dispatch.choose_path(spec, shapes)
 
 
-def extra_result_specs(layer, query, value, key, return_attention_scores, cache):
+def extra_result_specs(layer, query, value, key, *,
+                       return_attention_scores=False, cache=None):
     """The `KerasTensor`s a call returns after its output: the scores
     (keys: a cache's old slots, then the new tokens) and the new cache."""
     specs = []
@@ -115,10 +122,10 @@ def extra_result_specs(layer, query, value, key, return_attention_scores, cache)
         layout = checks.input_shapes(
             tuple(query.shape), tuple(value.shape),
             tuple((value if key is None else key).shape),
-            layer._attention_axes,
+            layer.settings.attention_axes,
         )
         scores_shape = layout.scores_shape(
-            tuple(query.shape), tuple(value.shape), layer._num_heads
+            tuple(query.shape), tuple(value.shape), layer.settings.num_heads
         )
         if cache is not None:
             scores_shape = scores_shape[:-1] + (

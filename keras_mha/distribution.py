@@ -62,11 +62,12 @@ def layout_map(device_mesh, model_axis="model", layer_name=None, into=None):
     into = _layout_map_on(device_mesh, "into", into)
     # `LayoutMap` full-matches its keys; the layer sits under any parents.
     prefix = f"(?:.*/)?(?:{layer_name or '[^/]+'})/"
-    heads = f"(?:{'|'.join(_HEAD_PROJECTIONS)})"
+    head_projections = f"(?:{'|'.join(_HEAD_PROJECTIONS)})"
     # Layouts name the leading axes only; the rest are replicated, so the
     # output kernel `(N, V, *output_shape)` needs no rank.
-    into[f"{prefix}{heads}/kernel"] = (None, model_axis)  # (E, N|K, H|V)
-    into[f"{prefix}{heads}/bias"] = (model_axis,)  # (N|K, H|V)
+    # (E, N|K, H|V)
+    into[f"{prefix}{head_projections}/kernel"] = (None, model_axis)
+    into[f"{prefix}{head_projections}/bias"] = (model_axis,)  # (N|K, H|V)
     into[f"{prefix}attention_output/kernel"] = (model_axis,)  # (N, V, E)
     return into
 

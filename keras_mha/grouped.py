@@ -105,8 +105,8 @@ class GroupedQueryAttention(MultiHeadAttention):
             **kwargs,
         )
 
-    head_dim = properties.read_only("_key_dim")
-    num_query_heads = properties.read_only("_num_heads")
+    head_dim = properties.read_only("settings.key_dim")
+    num_query_heads = properties.read_only("settings.num_heads")
 
     # Keras's `GroupQueryAttention` spells its equations with the queries
     # first and the key/value heads repeated to `N` (`u`); its scale is
@@ -118,7 +118,7 @@ class GroupedQueryAttention(MultiHeadAttention):
     def _inverse_sqrt_head_dim(self):
         """Keras's logit scale: here `scale` (`1 / sqrt(head_dim)` if
         unset)."""
-        return self._scale
+        return self.settings.scale
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         """As Keras's `GroupQueryAttention`: the query's shape; the query's
@@ -137,5 +137,6 @@ class GroupedQueryAttention(MultiHeadAttention):
         config = super().get_config()
         for name in _MHA_ONLY_ARGUMENTS:
             config.pop(name)
-        config.update(head_dim=self._key_dim, num_query_heads=self._num_heads)
+        config.update(head_dim=self.settings.key_dim,
+                      num_query_heads=self.settings.num_heads)
         return config

@@ -17,7 +17,8 @@ keys `(B, S, K, H)` into what attention reads, in DESIGN's order:
 
 Each is a function of one token and its position, so every attention path,
 cached decoding included, sees the same transformed heads: nothing here is
-a field of the `AttentionSpec`.
+a field of the `AttentionSpec`. What to apply comes from the layer's
+`settings` and its public sublayers (`query_norm`, `key_norm`).
 """
 
 import keras
@@ -118,23 +119,31 @@ def zero_padding(x, tokens):
     return ops.where(keep, x, ops.zeros_like(x))
 
 
-def build_norms(layer):
-    """The sublayers `query_norm` and `key_norm` of a layer with
-    `qk_norm="rms"` or `"layer"` (after its other weights, so those line
-    up with Keras's); nothing for `"l2"` or `None`. Norms handed over
-    before the build (`hub.adopt`: keras-hub's own, any layer normalizing
-    the last axis) are used as they are."""
-    if layer._qk_norm not in ("rms", "layer"):
-        return
-    for name, heads in (("query", layer._num_heads),
-                        ("key", layer._num_key_value_heads)):
-        norm = layer._adopted.pop(f"{name}_norm", None) or HeadNorm(
-            layer._qk_norm_scope, layer._qk_norm_epsilon,
-            center=layer._qk_norm == "layer", name=f"{name}_norm",
-            dtype=layer.dtype_policy)
+def build_norms(settings, adopted, dtype):
+    """`(query_norm, key_norm)`: the sublayers of a layer with
+    `qk_norm="rms"` or `"layer"` (built after its other weights, so those
+    line up with Keras's); `(None, None)` for `"l2"` or `None`.
+
+    Args:
+        settings: the layer's `MultiHeadSettings`.
+        adopted: the sublayers handed over before the build, by name
+            (`hub.adopt`: keras-hub's own norms, any layer normalizing the
+            last axis), used as they are; the norms are taken out of it.
+        dtype: the layer's dtype policy.
+    """
+    if settings.qk_norm not in ("rms", "layer"):
+        return None, None
+    norms = []
+    for name, heads in (("query", settings.num_heads),
+                        ("key", settings.num_key_value_heads)):
+        norm = adopted.pop(f"{name}_norm", None) or HeadNorm(
+            settings.qk_norm_scope, settings.qk_norm_epsilon,
+            center=settings.qk_norm == "layer", name=f"{name}_norm",
+            dtype=dtype)
         if not norm.built:
-            norm.build((None, None, heads, layer._key_dim))
-        setattr(layer, f"_{name}_norm", norm)
+            norm.build((None, None, heads, settings.key_dim))
+        norms.append(norm)
+    return tuple(norms)
 
 
 def queries(layer, q, offset, tokens=None, positions=None):
@@ -143,8 +152,9 @@ def queries(layer, q, offset, tokens=None, positions=None):
     padding zeroed, normalized, rotated, scaled by the temperature."""
     q = _rotated_and_normalized(layer, "query", _clipped(layer, q, tokens),
                                 offset, positions)
-    if layer._query_temperature is not None:
-        q = temperature(q, offset, *layer._query_temperature)
+    query_temperature = layer.settings.query_temperature
+    if query_temperature is not None:
+        q = temperature(q, offset, *query_temperature)
     return q
 
 
@@ -159,34 +169,37 @@ def values(layer, v, tokens=None):
     """The layer's projected values `(B, S, K, V)`: padding zeroed,
     clipped, normalized (`value_norm`)."""
     v = _clipped(layer, v, tokens)
-    if layer._value_norm:
-        v = normalize(v, "head", layer._qk_norm_epsilon)
+    if layer.settings.value_norm:
+        v = normalize(v, "head", layer.settings.qk_norm_epsilon)
     return v
 
 
 def _clipped(layer, x, tokens):
     x = zero_padding(x, tokens)
-    if layer._qkv_clip is None:
+    clip = layer.settings.qkv_clip
+    if clip is None:
         return x
-    return ops.clip(x, -layer._qkv_clip, layer._qkv_clip)
+    return ops.clip(x, -clip, clip)
 
 
 def _rotated_and_normalized(layer, name, x, offset, positions=None):
     """The norm, then RoPE; or RoPE, then the norm
     (`qk_norm_after_rope`)."""
-    after = layer._qk_norm_after_rope
+    after = layer.settings.qk_norm_after_rope
+    rotary = layer.settings.rotary_embedding
     if not after:
         x = _norm(layer, name, x)
-    if layer._rotary_embedding is not None and positions is not None:
-        x = layer._rotary_embedding(x, positions=positions)
-    elif layer._rotary_embedding is not None:
-        x = layer._rotary_embedding(x, start_index=offset)
+    if rotary is not None and positions is not None:
+        x = rotary(x, positions=positions)
+    elif rotary is not None:
+        x = rotary(x, start_index=offset)
     return _norm(layer, name, x) if after else x
 
 
 def _norm(layer, name, x):
-    if layer._qk_norm is None:
+    settings = layer.settings
+    if settings.qk_norm is None:
         return x
-    if layer._qk_norm in ("rms", "layer"):
-        return getattr(layer, f"_{name}_norm")(x)
-    return normalize(x, layer._qk_norm_scope, layer._qk_norm_epsilon)
+    if settings.qk_norm in ("rms", "layer"):
+        return layer.query_norm(x) if name == "query" else layer.key_norm(x)
+    return normalize(x, settings.qk_norm_scope, settings.qk_norm_epsilon)

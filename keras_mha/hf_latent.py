@@ -80,27 +80,28 @@ def from_transformers(module, name, family, config, **layer_kwargs):
 
     query_heads = (num_heads, nope + rope)
     if q_rank is None:
-        layer._query_dense.set_weights(
+        layer.sublayer("query").set_weights(
             weights(module.q_proj, (hidden_size, *query_heads), query_heads)
         )  # (E, N, Hn + P)
     else:
-        layer._query_a.set_weights(
+        layer.sublayer("query_a").set_weights(
             weights(module.q_a_proj, (hidden_size, q_rank), (q_rank,))
         )  # (E, Rq)
-        layer._query_norm.set_weights(
+        layer.sublayer("query_norm").set_weights(
             [host.to_numpy(module.q_a_layernorm.weight)]
         )
-        layer._query_b.set_weights(
+        layer.sublayer("query_b").set_weights(
             weights(module.q_b_proj, (q_rank, *query_heads))
         )  # (Rq, N, Hn + P)
-    layer._kv_a.set_weights(weights(
+    layer.sublayer("kv_a").set_weights(weights(
         module.kv_a_proj_with_mqa, (hidden_size, rank + rope), (rank + rope,)
     ))  # (E, R + P)
-    layer._kv_norm.set_weights([host.to_numpy(module.kv_a_layernorm.weight)])
-    layer._kv_b.set_weights(
+    layer.sublayer("kv_norm").set_weights(
+        [host.to_numpy(module.kv_a_layernorm.weight)])
+    layer.sublayer("kv_b").set_weights(
         weights(module.kv_b_proj, (rank, num_heads, nope + v_dim))
     )  # (R, N, Hn + V)
-    layer._output_dense.set_weights(weights(
+    layer.sublayer("output").set_weights(weights(
         module.o_proj, (num_heads, v_dim, hidden_size), (hidden_size,)
     ))  # (N, V, E)
     return layer

@@ -132,13 +132,13 @@ class Structure:
     logit_factor: float = 1.0
 
 
-def read(module, name, heads, family, values_are_keys=False):
+def read(module, name, head_layout, family, values_are_keys=False):
     """The `Structure` of `module`.
 
     Args:
         module: the attention module.
         name: its class name, for messages.
-        heads: `(N, K, H)` from its config.
+        head_layout: `(N, K, H)` from its config.
         family: its `hf_families.Family`.
         values_are_keys: whether the config says a module without a
             `v_proj` takes its values from `k_proj` (Gemma 4's
@@ -146,16 +146,16 @@ def read(module, name, heads, family, values_are_keys=False):
 
     Raises:
         ValueError: for a module whose projections are not found, whose
-            weights contradict `heads`, or that holds a parameter or
+            weights contradict `head_layout`, or that holds a parameter or
             submodule the layer does not read (named with its feature).
     """
     children = dict(module.named_children())
     used = set()
     if "self" in children and "output" in children:
-        return _bert(module, children, name, heads, family)
+        return _bert(module, children, name)
     if list(children) == ["attention"]:  # GPT-Neo: the attention within
         check_all_read(module, children, {"attention"}, name)
-        return read(children["attention"], name, heads, family,
+        return read(children["attention"], name, head_layout, family,
                     values_are_keys)
     if getattr(module, "is_kv_shared_layer", False):
         raise ValueError(
@@ -167,11 +167,33 @@ def read(module, name, heads, family, values_are_keys=False):
         children["v_proj"] = children["k_proj"]  # the same projection
     if "q_gate_proj" in children:  # MiniCPM5: queries and gates, per head
         children["q_proj"] = children.pop("q_gate_proj")
+    query, key, value, output, fused = _projections(
+        module, children, used, name, head_layout, family)
+    query, gate = _output_gate(module, children, used, name, head_layout,
+                               family, query, output)
+    norms = _norms(children, used, name)
+    value_norm = _value_norm(children, used, name)
+    sinks = None
+    if isinstance(getattr(module, "sinks", None), _parameter_type()):
+        sinks = host.to_numpy(module.sinks)
+    logit_factor = 1.0
+    if "qk_scale" in dict(module.named_buffers(recurse=False)):
+        used.add("qk_scale")
+        logit_factor = float(host.to_numpy(module.qk_scale)) ** 2
+    check_all_read(module, children, used | {"sinks"}, name)
+    return Structure(query, key, value, output, gate, *norms, sinks, fused,
+                     value_norm, logit_factor)
+
+
+def _projections(module, children, used, name, head_layout, family):
+    """`(query, key, value, output, fused)`: the module's `Dense`
+    projections, the query with its gate rows if it has them, and the name
+    of its fused projection (or `None`)."""
     projections = _separate(children, used, name)
     fused = None
     if projections is None:
-        projections, fused = _fused(module, children, used, name, heads,
-                                    family)
+        projections, fused = _fused(module, children, used, name,
+                                    head_layout, family)
     if projections is None:
         raise ValueError(
             f"The {name} has none of the projections `from_torch` reads "
@@ -189,10 +211,18 @@ def read(module, name, heads, family, values_are_keys=False):
     if isinstance(v_scale, float) and v_scale != 1.0:
         value = Dense(value.weight * v_scale,
                       None if value.bias is None else value.bias * v_scale)
+    return query, key, value, output, fused
+
+
+def _output_gate(module, children, used, name, head_layout, family, query,
+                 output):
+    """`(query, gate)`: the query without its gate rows (Qwen3-Next), and
+    the output gate's `Dense` with one output per head's feature, or
+    `None`."""
     gate = None
-    num_heads, _, head_dim = heads
+    num_heads, _, head_dim = head_layout
     if query.weight.shape[0] == 2 * num_heads * head_dim:
-        query, gate = _query_gate(query, name, heads, family)
+        query, gate = _query_gate(query, name, head_layout, family)
     for gate_name in _GATES:
         if gate_name in children:
             if not family.separate_gate:
@@ -212,34 +242,29 @@ def read(module, name, heads, family, values_are_keys=False):
                 repeat = gate.weight.shape[0] // bias.shape[0]
                 gate = Dense(gate.weight,
                              np.repeat(host.to_numpy(bias), repeat))
-    norms = _norms(children, used, name)
-    value_norm = None
-    if "v_norm" in children:
-        used.add("v_norm")
-        value_norm = _probe(children["v_norm"], name, "v_norm")
-        if value_norm.scale is not None or value_norm.bias is not None:
-            raise ValueError(
-                f"The {name}'s `v_norm` has weights, and the layer's "
-                "`value_norm` has none. Received: parameters "
-                f"{[n for n, _ in children['v_norm'].named_parameters()]}"
-            )
-    sinks = None
-    if isinstance(getattr(module, "sinks", None), _parameter_type()):
-        sinks = host.to_numpy(module.sinks)
-    logit_factor = 1.0
-    if "qk_scale" in dict(module.named_buffers(recurse=False)):
-        used.add("qk_scale")
-        logit_factor = float(host.to_numpy(module.qk_scale)) ** 2
-    check_all_read(module, children, used | {"sinks"}, name)
-    return Structure(query, key, value, output, gate, *norms, sinks, fused,
-                     value_norm, logit_factor)
+    return query, gate
 
 
-def reordered(structure, order, heads):
+def _value_norm(children, used, name):
+    """The weightless `Norm` of a module's `v_norm` (Gemma 4), or `None`."""
+    if "v_norm" not in children:
+        return None
+    used.add("v_norm")
+    value_norm = _probe(children["v_norm"], name, "v_norm")
+    if value_norm.scale is not None or value_norm.bias is not None:
+        raise ValueError(
+            f"The {name}'s `v_norm` has weights, and the layer's "
+            "`value_norm` has none. Received: parameters "
+            f"{[n for n, _ in children['v_norm'].named_parameters()]}"
+        )
+    return value_norm
+
+
+def reordered(structure, order, head_layout):
     """`structure` with each query and key head's features taken in
     `order` `(H,)` (rows of the projections, their biases and the norms'
     weights); the product of a query with a key is unchanged."""
-    num_heads, num_kv_heads, head_dim = heads
+    num_heads, num_kv_heads, head_dim = head_layout
 
     def rows(array, count):
         if array is None:
@@ -286,7 +311,7 @@ def _gate_per_feature(gate, name, attribute, num_heads, features):
     return gate
 
 
-def _bert(module, children, name, heads, family):
+def _bert(module, children, name):
     """A BERT-style block: self-attention `self` (`query`, `key`,
     `value`) and `output` (`dense`, then the block's dropout, residual and
     LayerNorm). The layer is the attention up to `output.dense`; the
@@ -345,21 +370,21 @@ def _separate(children, used, owner):
     return None
 
 
-def _fused(module, children, used, name, heads, family):
+def _fused(module, children, used, name, head_layout, family):
     for fused, outputs in _FUSED:
         output = next((n for n in outputs if n in children), None)
         if fused not in children or output is None:
             continue
         used.update((fused, output))
         dense = _dense(children[fused], name, fused)
-        query, key, value = _split_fused(dense, name, heads,
+        query, key, value = _split_fused(dense, name, head_layout,
                                          family.fused_layout,
                                          getattr(module, "mp_num", None))
         return (query, key, value, _dense(children[output], name, output)), fused
     return None, None
 
 
-def _split_fused(dense, name, heads, layout, blocks=None):
+def _split_fused(dense, name, head_layout, layout, blocks=None):
     """Queries, keys and values of one fused projection.
 
     `layout`: `"contiguous"` (all queries, then keys, then values: Phi-3,
@@ -367,7 +392,7 @@ def _split_fused(dense, name, heads, layout, blocks=None):
     GPT-NeoX, Persimmon) or `"model_parallel"` (CodeGen: `blocks` blocks,
     each its heads' queries, values, then keys).
     """
-    num_heads, num_kv_heads, head_dim = heads
+    num_heads, num_kv_heads, head_dim = head_layout
     rows = dense.weight.shape[0]
     want = (num_heads + 2 * num_kv_heads) * head_dim
     if rows != want:
@@ -406,10 +431,10 @@ def _split_fused(dense, name, heads, layout, blocks=None):
     )
 
 
-def _query_gate(query, name, heads, family):
+def _query_gate(query, name, head_layout, family):
     """Qwen3-Next's query projection: per head, `H` query rows then `H`
     gate rows."""
-    num_heads, _, head_dim = heads
+    num_heads, _, head_dim = head_layout
     if family.query_gate != "per_head":
         raise ValueError(
             f"The {name}'s query projection is twice N·H = "

@@ -68,6 +68,17 @@ class HubAttention(CachedMultiHeadAttention):
         # weights sit at keras-hub's paths (see `_present_as`).
         return [n for n in super().__dir__() if n not in self._hidden]
 
+    def take_over(self, attention, reading):
+        """Builds the layer on keras-hub's `attention`'s own sublayers
+        (`reading.sublayers`, used as they are, not copied) and presents
+        them under `attention`'s names (`adopt`)."""
+        self._adopted.update(
+            {ours: sublayer for ours, (_, sublayer) in reading.sublayers.items()
+             if ours != "rotary_embedding"})  # that one is an argument
+        shape = (None, None, reading.hidden_size)
+        self.build(shape, shape)
+        self._present_as(attention, reading.sublayers)
+
     def _present_as(self, attention, sublayers):
         """Names the taken-over sublayers as keras-hub's `attention` did,
         and hides this layer's public names for them that it lacks."""
@@ -256,13 +267,19 @@ def _llama(attention, name):
         num_key_value_heads=int(sublayers["key"][1].kernel.shape[1]),
         use_bias=query.bias is not None,
         rotary_embedding=attention.rotary_embedding_layer,
-        scale=float(attention._inv_norm_factor),
+        scale=_logit_scale(attention),
         sliding_window=None if window is None else int(window),
     )
     if "query_norm" in sublayers:
         kwargs.update(qk_norm="rms",
                       qk_norm_epsilon=float(sublayers["query_norm"][1].epsilon))
     return Reading(kwargs, int(hidden_size), sublayers)
+
+
+def _logit_scale(attention):
+    """The logit scale of keras-hub's Llama-family attention: it keeps it
+    only as the private `_inv_norm_factor`, with no public attribute."""
+    return float(attention._inv_norm_factor)
 
 
 def _gemma(attention, name):
@@ -382,23 +399,24 @@ def _reader(attention):
 def _swap(block, attribute, attention, reading):
     layer = HubAttention(**reading.kwargs, name=attention.name,
                          dtype=attention.dtype_policy)
-    layer._adopted.update(
-        {ours: sublayer for ours, (_, sublayer) in reading.sublayers.items()
-         if ours != "rotary_embedding"})  # that one is an argument
-    shape = (None, None, reading.hidden_size)
-    layer.build(shape, shape)
-    layer._present_as(attention, reading.sublayers)
-    # The block's tracker must forget the old layer, or its weights count
-    # twice; a built block's state is locked.
-    tracker = block._tracker
-    locked = tracker.locked
-    tracker.unlock()
-    block._layers.remove(attention)
-    tracker.stored_ids["layers"].discard(id(attention))
-    setattr(block, attribute, layer)
-    if locked:
-        tracker.lock()
+    layer.take_over(attention, reading)
+    _replace_sublayer(block, attribute, attention, layer)
     for name in _MASK_METHODS:
         if hasattr(block, name):
             object.__setattr__(block, name, _structural(getattr(block, name)))
             break
+
+
+def _replace_sublayer(block, attribute, old, new):
+    """Puts `new` in `block`'s `attribute`, where `old` was. Keras's
+    tracker (`Layer._tracker`, `Layer._layers`) must forget `old`, or its
+    weights count twice, and a built block's state is locked: Keras has no
+    public way to replace a tracked sublayer."""
+    tracker = block._tracker
+    locked = tracker.locked
+    tracker.unlock()
+    block._layers.remove(old)
+    tracker.stored_ids["layers"].discard(id(old))
+    setattr(block, attribute, new)
+    if locked:
+        tracker.lock()

@@ -117,6 +117,34 @@ def from_transformers(module, config=None, **layer_kwargs):
             module fixes to another value.
     """
     name = type(module).__qualname__
+    config, family = _config_and_family(module, config, name)
+    if hasattr(module, "kv_a_proj_with_mqa"):
+        # Deferred: latent attention is not needed by the other families.
+        from keras_mha import hf_latent
+
+        return hf_latent.from_transformers(module, name, family, config,
+                                           **layer_kwargs)
+    head_layout = _head_layout(module, config, name)
+    structure = hf_structure.read(
+        module, name, head_layout, family,
+        values_are_keys=bool(getattr(config, "attention_k_eq_v", False)))
+    value_dim = _check_shapes(structure, name, head_layout)
+    structure = _in_rotation_order(structure, module, config, family,
+                                   head_layout)
+    hidden_size = structure.query.weight.shape[1]
+    fixed = _fixed_arguments(module, config, name, family, structure,
+                             head_layout, value_dim)
+    if host.output_shape(layer_kwargs.get("output_shape")) == (hidden_size,):
+        del layer_kwargs["output_shape"]  # the default: the input's size
+    layer = hf_structure.built_layer(MultiHeadAttention, fixed, layer_kwargs,
+                                     name, config, hidden_size)
+    _set_weights(layer, structure, head_layout, value_dim, fixed["use_bias"])
+    return layer
+
+
+def _config_and_family(module, config, name):
+    """`(config, family)`: the module's config (else the one passed) and
+    its `hf_families.Family`, refused where the family is."""
     config = getattr(module, "config", None) or config
     if config is None:
         raise ValueError(
@@ -131,30 +159,32 @@ def from_transformers(module, config=None, **layer_kwargs):
             f"The {name}: {family.refused} is not supported. Received: "
             f"model_type={getattr(config, 'model_type', None)!r}"
         )
-    if hasattr(module, "kv_a_proj_with_mqa"):
-        # Deferred: latent attention is not needed by the other families.
-        from keras_mha import hf_latent
+    return config, family
 
-        return hf_latent.from_transformers(module, name, family, config,
-                                           **layer_kwargs)
-    heads = _heads(module, config, name)
-    structure = hf_structure.read(
-        module, name, heads, family,
-        values_are_keys=bool(getattr(config, "attention_k_eq_v", False)))
-    num_heads, num_kv_heads, head_dim = heads
-    value_dim = _check_shapes(structure, name, heads)
-    layer_type = _layer_type(module, config)
-    order = rope_parameters.proportional_order(config, head_dim, layer_type)
+
+def _in_rotation_order(structure, module, config, family, head_layout):
+    """`structure` with each query and key head's features in the order
+    our rotary embedding rotates them (`hf_structure.reordered`), where
+    the family's differs."""
+    head_dim = head_layout[2]
+    order = rope_parameters.proportional_order(
+        config, head_dim, _layer_type(module, config))
     if family.reversed_rotation:  # see `hf_families.Family`
         order = np.roll(np.arange(head_dim), head_dim // 2)
     if order is not None:  # Gemma 4, LFM3 (see `proportional_order`)
-        structure = hf_structure.reordered(structure, order, heads)
-    hidden_size = structure.query.weight.shape[1]
-    projections = dict(query=structure.query, key=structure.key,
-                       value=structure.value, output=structure.output)
-    if structure.gate is not None:
-        projections["gate"] = structure.gate
-    use_bias = any(d.bias is not None for d in projections.values())
+        structure = hf_structure.reordered(structure, order, head_layout)
+    return structure
+
+
+def _fixed_arguments(module, config, name, family, structure, head_layout,
+                     value_dim):
+    """The `MultiHeadAttention` arguments the module fixes: its heads,
+    weights' structure, rotary embedding, norms, window and scale."""
+    num_heads, num_kv_heads, head_dim = head_layout
+    projections = (structure.query, structure.key, structure.value,
+                   structure.output, structure.gate)
+    use_bias = any(dense is not None and dense.bias is not None
+                   for dense in projections)
     soft_cap = getattr(module, "attn_logit_softcapping", None)
     uses_rope = _uses_rope(module, family, config)
     if "attention_scaling" in hf_structure.forward_parameters(module) and (
@@ -172,18 +202,12 @@ def from_transformers(module, config=None, **layer_kwargs):
                              float(config.attn_scale))
     rotary_embedding = None
     if uses_rope:
-        # GPT-J rotates the first `module.rotary_dim` features, with the
-        # frequencies of a head of that size.
-        rotary_dim = getattr(module, "rotary_dim", None)
-        rotary_embedding = rope_parameters.rotary_embedding(
-            config, rotary_dim if isinstance(rotary_dim, int) else head_dim,
-            name, layer_type, family.partial_rotary,
-            interleaved=family.interleaved,
-        )
+        rotary_embedding = _rotary_embedding(module, config, name, family,
+                                             head_dim)
     scale = getattr(module, "scaling", family.scale)
     window = _sliding_window(module, name, family, config)
     _check_window_both_ways(module, name, config, window)
-    fixed = dict(
+    return dict(
         num_heads=num_heads,
         key_dim=head_dim,
         value_dim=value_dim,
@@ -210,14 +234,27 @@ def from_transformers(module, config=None, **layer_kwargs):
         value_norm=structure.value_norm is not None,
         qkv_clip=_qkv_clip(module, config),
     )
-    if host.output_shape(layer_kwargs.get("output_shape")) == (hidden_size,):
-        del layer_kwargs["output_shape"]  # the default: the input's size
-    layer = hf_structure.built_layer(MultiHeadAttention, fixed, layer_kwargs,
-                                     name, config, hidden_size)
 
-    def weights(projection, kernel_shape, bias_shape):
+
+def _rotary_embedding(module, config, name, family, head_dim):
+    """The `RotaryEmbedding` of a module whose layer rotates."""
+    # GPT-J rotates the first `module.rotary_dim` features, with the
+    # frequencies of a head of that size.
+    rotary_dim = getattr(module, "rotary_dim", None)
+    return rope_parameters.rotary_embedding(
+        config, rotary_dim if isinstance(rotary_dim, int) else head_dim,
+        name, _layer_type(module, config), family.partial_rotary,
+        interleaved=family.interleaved,
+    )
+
+
+def _set_weights(layer, structure, head_layout, value_dim, use_bias):
+    """Sets the layer's projections, sinks and norms to the module's."""
+    num_heads, num_kv_heads, head_dim = head_layout
+    hidden_size = structure.query.weight.shape[1]
+
+    def weights(dense, kernel_shape, bias_shape):
         # torch: y = x @ W.T + b; head n is features n*H:(n+1)*H.
-        dense = projections[projection]
         kernel = dense.weight.T.reshape(kernel_shape)
         if not use_bias:
             return [kernel]
@@ -227,32 +264,33 @@ def from_transformers(module, config=None, **layer_kwargs):
 
     # Kernels `(E, heads, size)` and biases `(heads, size)`, in Keras's
     # order of the projections.
-    heads = {
+    projection_heads = {
         "query": (num_heads, head_dim),
         "key": (num_kv_heads, head_dim),
         "gate": (num_heads, value_dim),
         "value": (num_kv_heads, value_dim),
     }
-    for projection, shape in heads.items():
-        if projection != "gate" or structure.gate is not None:
+    for projection, shape in projection_heads.items():
+        dense = getattr(structure, projection)
+        if dense is not None:  # a gate only where the module has one
             getattr(layer, f"_{projection}_dense").set_weights(
-                weights(projection, (hidden_size, *shape), shape)
+                weights(dense, (hidden_size, *shape), shape)
             )
     layer.output_dense.set_weights(
-        weights("output", (num_heads, value_dim, hidden_size), (hidden_size,))
+        weights(structure.output, (num_heads, value_dim, hidden_size),
+                (hidden_size,))
     )  # (N, V, E), (E,)
     if structure.sinks is not None:
         layer.sinks.assign(structure.sinks)  # (N,)
-    for norm, read in ((layer.query_norm, structure.query_norm),
-                       (layer.key_norm, structure.key_norm)):
+    for norm, probed in ((layer.query_norm, structure.query_norm),
+                         (layer.key_norm, structure.key_norm)):
         if norm is not None:  # "rms" or "layer"
-            norm.scale.assign(read.scale)
-            if read.bias is not None:
-                norm.bias.assign(read.bias)
-    return layer
+            norm.scale.assign(probed.scale)
+            if probed.bias is not None:
+                norm.bias.assign(probed.bias)
 
 
-def _heads(module, config, name):
+def _head_layout(module, config, name):
     """`(N, K, H)`: the module's own counts where it keeps them (a decoder
     of an encoder-decoder model has its own), else its config's."""
 
@@ -285,9 +323,9 @@ def _heads(module, config, name):
     return num_heads, num_kv_heads, head_dim
 
 
-def _check_shapes(structure, name, heads):
+def _check_shapes(structure, name, head_layout):
     """The value head size `V`, once the weights agree with `(N, K, H)`."""
-    num_heads, num_kv_heads, head_dim = heads
+    num_heads, num_kv_heads, head_dim = head_layout
     hidden_size = structure.query.weight.shape[1]
     value_rows = structure.value.weight.shape[0]
     value_dim = value_rows // num_kv_heads

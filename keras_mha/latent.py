@@ -17,12 +17,13 @@ from keras_mha import distribution as distribution_lib
 from keras_mha import hooks
 from keras_mha import projections
 from keras_mha import properties
+from keras_mha import settings as settings_lib
 from keras_mha.attention import latent as latent_lib
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import spec as spec_lib
 
-# The constructor's settings kept as `self._<name>`: the config's entries
-# and read-only properties.
+# The constructor's settings, fields of `layer.settings`: the config's
+# entries and read-only properties.
 _SETTINGS = (
     "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
     "v_head_dim", "q_lora_rank", "use_bias", "norm_epsilon", "dropout",
@@ -32,7 +33,7 @@ _SETTINGS = (
 
 @keras.saving.register_keras_serializable(package="keras_mha")
 @properties.with_read_only(*_SETTINGS, "rotary_embedding",
-                           attn_logits_soft_cap="_soft_cap")
+                           "attn_logits_soft_cap", attribute="settings.{}")
 class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
     """Multi-head latent attention (MLA, DeepSeek-V2, arXiv 2405.04434).
 
@@ -67,8 +68,10 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
     `attention_output`, in that order. `use_bias` gives biases to the
     projections of the inputs (`query` or `query_a`, `kv_a`) and to
     `attention_output`, as Hugging Face's `attention_bias` does; the
-    up-projections `query_b` and `kv_b` have none. Registered as
-    `keras_mha>MultiHeadLatentAttention`.
+    up-projections `query_b` and `kv_b` have none (`sublayer(name)`).
+    `settings` holds the constructor's values resolved as one frozen value
+    (`keras_mha.settings.LatentSettings`), which the read-only properties
+    give. Registered as `keras_mha>MultiHeadLatentAttention`.
 
     Args:
         num_heads: `N`, the number of heads.
@@ -131,6 +134,7 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
     """
 
     _config_names = _SETTINGS  # `properties.Configured.get_config`
+    _config_objects = ("kernel_initializer", "bias_initializer")
 
     def __init__(
         self,
@@ -173,47 +177,52 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
         )
         use_bias = checks.boolean("use_bias", use_bias)
         super().__init__(**kwargs)
-        self.supports_masking = True
-        self._num_heads = num_heads
-        self._kv_lora_rank = kv_lora_rank
-        self._qk_nope_head_dim = qk_nope_head_dim
-        self._qk_rope_head_dim = qk_rope_head_dim
-        self._v_head_dim = v_head_dim
-        self._q_lora_rank = q_lora_rank
-        self._rotary_embedding = rotary_embedding
-        self._given_scale = scale
-        self._scale = (
-            spec_lib.default_scale(qk_nope_head_dim + qk_rope_head_dim)
-            if scale is None else scale
+        self.settings = settings_lib.LatentSettings(
+            num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+            q_lora_rank=q_lora_rank, rotary_embedding=rotary_embedding,
+            given_scale=scale,
+            scale=(spec_lib.default_scale(qk_nope_head_dim + qk_rope_head_dim)
+                   if scale is None else scale),
+            use_bias=use_bias, norm_epsilon=norm_epsilon, dropout=dropout,
+            sliding_window=sliding_window,
+            attn_logits_soft_cap=attn_logits_soft_cap,
+            kernel_initializer=keras.initializers.get(kernel_initializer),
+            bias_initializer=keras.initializers.get(bias_initializer),
+            **settings_lib.LATENT_LACKS,
         )
-        self._use_bias = use_bias
-        self._norm_epsilon = norm_epsilon
-        self._dropout = dropout
-        self._sliding_window = sliding_window
-        self._soft_cap = attn_logits_soft_cap
-        self._kernel_initializer = keras.initializers.get(kernel_initializer)
-        self._bias_initializer = keras.initializers.get(bias_initializer)
+        self.supports_masking = True
         self.seed = seed
-        # What `describe.describe` reads of a layer, fixed here.
-        self._flash_attention = None
-        self._use_alibi = False
-        self.sinks = None
+        self._rotary_embedding = rotary_embedding  # tracked: a sublayer
+        self._feature_sizes = None  # the inputs', built
+        self.sinks = None  # what `describe.describe` reads of a layer
 
-    scale = properties.read_only("_scale", "The logit scale, resolved.")
+    scale = properties.read_only("settings.scale",
+                                 "The logit scale, resolved.")
+    input_features = properties.read_only(
+        "_feature_sizes", "The feature sizes of the inputs the layer was "
+        "built for, by name (`query`, `value`); `None` before `build`.")
+    _sublayers = dict(query="_query_dense", query_a="_query_a",
+                      query_norm="_query_norm", query_b="_query_b",
+                      kv_a="_kv_a", kv_norm="_kv_norm", kv_b="_kv_b",
+                      output="_output_dense")  # `sublayer`
 
     # ------------------------------------------------------------------ build
 
     def build(self, query_shape, value_shape, key_shape=None):
         query_shape, value_shape = tuple(query_shape), tuple(value_shape)
         latent_checks.shapes(query_shape, value_shape)
-        self._feature_sizes = (query_shape[-1], value_shape[-1])
-        heads, head = self._num_heads, self._qk_head_dim
-        if self._q_lora_rank is None:
+        settings = self.settings
+        self._feature_sizes = dict(query=query_shape[-1],
+                                   value=value_shape[-1])
+        heads, head = settings.num_heads, settings.qk_head_dim
+        if settings.q_lora_rank is None:
             self._query_dense = self._dense(
                 "btd,dnh->btnh", (None, heads, head), "query", "nh")
             self._query_dense.build(query_shape)
         else:
-            rank = self._q_lora_rank
+            rank = settings.q_lora_rank
             self._query_a = self._dense("btd,dr->btr", (None, rank),
                                         "query_a", "r")
             self._query_a.build(query_shape)
@@ -221,42 +230,40 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
             self._query_b = self._dense("btr,rnh->btnh", (None, heads, head),
                                         "query_b", None)
             self._query_b.build(query_shape[:-1] + (rank,))
-        rank, rope = self._kv_lora_rank, self._qk_rope_head_dim
+        rank, rope = settings.kv_lora_rank, settings.qk_rope_head_dim
         self._kv_a = self._dense("btd,dr->btr", (None, rank + rope), "kv_a",
                                  "r")
         self._kv_a.build(value_shape)
         self._kv_norm = self._norm("kv_norm", rank)
         self._kv_b = self._dense(
             "btr,rnh->btnh",
-            (None, heads, self._qk_nope_head_dim + self._v_head_dim), "kv_b",
-            None,
+            (None, heads, settings.qk_nope_head_dim + settings.v_head_dim),
+            "kv_b", None,
         )
         self._kv_b.build(value_shape[:-1] + (rank,))
         self._dropout_layer = keras.layers.Dropout(
-            rate=self._dropout, dtype=self.dtype_policy, seed=self.seed
+            rate=settings.dropout, dtype=self.dtype_policy, seed=self.seed
         )
         self._output_dense = self._dense(
             "btnv,nve->bte", (None, query_shape[-1]), "attention_output", "e"
         )
-        self._output_dense.build(query_shape[:-1] + (heads, self._v_head_dim))
+        self._output_dense.build(
+            query_shape[:-1] + (heads, settings.v_head_dim))
         self.built = True
-
-    @property
-    def _qk_head_dim(self):
-        return self._qk_nope_head_dim + self._qk_rope_head_dim
 
     def _dense(self, equation, output_shape, name, bias_axes):
         return projections.Projection(
             equation,
             output_shape=output_shape,
-            bias_axes=bias_axes if self._use_bias else None,
+            bias_axes=bias_axes if self.settings.use_bias else None,
             name=name,
             **projections.sublayer_kwargs(self),
         )
 
     def _norm(self, name, size):
         norm = keras.layers.RMSNormalization(
-            epsilon=self._norm_epsilon, name=name, dtype=self.dtype_policy
+            epsilon=self.settings.norm_epsilon, name=name,
+            dtype=self.dtype_policy,
         )
         norm.build((None, None, size))
         return norm
@@ -278,11 +285,15 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
         cache=None,
         cache_update_index=None,
     ):
-        latent_checks.call(self, query, value, key, query_mask, value_mask,
-                           key_mask, attention_mask, use_causal_mask, cache,
-                           cache_update_index)
-        nope, rank = self._qk_nope_head_dim, self._kv_lora_rank
-        if self._q_lora_rank is None:
+        latent_checks.call(
+            self, query=query, value=value, key=key, query_mask=query_mask,
+            value_mask=value_mask, key_mask=key_mask,
+            attention_mask=attention_mask, use_causal_mask=use_causal_mask,
+            cache=cache, cache_update_index=cache_update_index,
+        )
+        settings = self.settings
+        nope, rank = settings.qk_nope_head_dim, settings.kv_lora_rank
+        if settings.q_lora_rank is None:
             q = self._query_dense(query)  # (B, T, N, Hn + P)
         else:
             q = self._query_b(self._query_norm(self._query_a(query)))
@@ -298,10 +309,11 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
         latents = _zero_padding(latents, key_tokens)
         rope_keys = _zero_padding(rope_keys, key_tokens)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
-        if self._rotary_embedding is not None:
+        rotary = settings.rotary_embedding
+        if rotary is not None:
             start = 0 if cache is None else cache_update_index
-            q_rope = self._rotary_embedding(q_rope, start_index=start)
-            rope_keys = self._rotary_embedding(
+            q_rope = rotary(q_rope, start_index=start)
+            rope_keys = rotary(
                 rope_keys[:, :, None], start_index=start
             )[:, :, 0]  # (B, S, P)
         dense_mask = None
@@ -311,17 +323,21 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
                 mask = ops.expand_dims(mask, 1 if len(mask.shape) == 3 else 0)
             dense_mask = mask  # (B|1, N|1, T, S)
         spec = describe_lib.describe(
-            self, query_tokens, key_tokens, dense_mask, use_causal_mask,
-            training, return_attention_scores,
+            self, query_tokens=query_tokens, key_tokens=key_tokens,
+            dense_mask=dense_mask, use_causal_mask=use_causal_mask,
+            training=training,
+            return_attention_scores=return_attention_scores,
+            seed=getattr(self._dropout_layer, "seed_generator", None),
         )
         how = latent_lib.computation(
-            spec, q.shape[1], cache is not None, cache_update_index,
-            self.rolling_cache, self._kv_b.quantization_mode is None,
+            spec, q.shape[1], cache=cache is not None,
+            index=cache_update_index, rolling=self.rolling_cache,
+            absorbable=self._kv_b.quantization_mode is None,
         )
         context, scores, new_cache = latent_lib.latent_attention(
-            q_nope, q_rope, latents, rope_keys, spec, self._kv_b,
-            lambda: self._kv_b.kernel, nope, how, cache, cache_update_index,
-            self.rolling_cache,
+            q_nope, q_rope, latents, rope_keys, spec, up_project=self._kv_b,
+            kernel=lambda: self._kv_b.kernel, nope_dim=nope, how=how,
+            cache=cache, index=cache_update_index, rolling=self.rolling_cache,
         )
         if return_attention_scores:
             scores = ops.cast(scores, self.compute_dtype)
@@ -342,14 +358,14 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
             return_attention_scores, training: as in `call`.
         """
         spec = spec_lib.AttentionSpec(
-            scale=self._scale,
-            dropout=self._dropout if training else 0.0,
+            scale=self.settings.scale,
+            dropout=self.settings.dropout if training else 0.0,
             return_weights=bool(return_attention_scores),
         )
         absorbable = not self.built or self._kv_b.quantization_mode is None
         return latent_lib.computation(
-            spec, query_length, cache, cache_update_index, self.rolling_cache,
-            absorbable,
+            spec, query_length, cache=cache, index=cache_update_index,
+            rolling=self.rolling_cache, absorbable=absorbable,
         )
 
     # ------------------------------------------------------------------ cache
@@ -358,11 +374,7 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
     def rolling_cache(self):
         """Whether `init_cache` makes a rolling buffer (with a
         `sliding_window`)."""
-        return self._sliding_window is not None
-
-    @property
-    def _rolling_slots(self):
-        return spec_lib.window_sides(self._sliding_window, True)[0] + 1
+        return self.settings.rolling_slots is not None
 
     def init_cache(self, batch_size, max_length, in_place=False):
         """A zero latent cache for decoding up to `max_length` tokens.
@@ -383,12 +395,13 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
             `max_length`, or `w` when rolling. Owned and written as
             `MultiHeadAttention.init_cache`'s cache is: by default a call
             returns a new cache; with `in_place=True` an eager call writes
-            the new slots into the cache's own tensors.
+            the new slots into the cache's own tensors, and the cache is a
+            `keras_mha.attention.cache.InPlaceLatentCache`.
         """
         slots = checks.cache_slots(self, batch_size, max_length, in_place)
         return distribution_lib.shard_cache(latent_lib.zeros(
-            batch_size, slots, self._kv_lora_rank, self._qk_rope_head_dim,
-            self.compute_dtype, in_place))
+            batch_size, slots, self.settings.kv_lora_rank,
+            self.settings.qk_rope_head_dim, self.compute_dtype, in_place))
 
     # ----------------------------------------------------------------- shapes
 
@@ -407,7 +420,8 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
             if cache is not None:
                 keys = None if keys is None else cache[0].shape[1] + keys
             scores = keras.KerasTensor(
-                (query.shape[0], self._num_heads, query.shape[1], keys),
+                (query.shape[0], self.settings.num_heads, query.shape[1],
+                 keys),
                 dtype=self.compute_dtype,
             )
         if cache is not None:

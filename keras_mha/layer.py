@@ -16,6 +16,7 @@ from keras_mha import heads as heads_lib
 from keras_mha import hooks
 from keras_mha import projections
 from keras_mha import properties
+from keras_mha import settings as settings_lib
 from keras_mha.attention import attend
 from keras_mha.attention import attend_cached
 from keras_mha.attention import cache as cache_lib
@@ -24,9 +25,10 @@ from keras_mha.attention import spec as spec_lib
 
 _read_only = properties.read_only
 
-# The constructor's settings kept as `self._<name>`: the config's entries,
-# in its order, and read-only properties as in Keras but for `use_gate` and
-# `output_shape` (`Functional.summary()` reads a layer's `output_shape`).
+# The constructor's settings, fields of `layer.settings`: the config's
+# entries, in its order, and read-only properties as in Keras but for
+# `use_gate` and `output_shape` (`Functional.summary()` reads a layer's
+# `output_shape`).
 _SETTINGS = (
     "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "use_gate",
     "output_shape", "attention_axes", "sliding_window", "flash_attention",
@@ -34,14 +36,28 @@ _SETTINGS = (
     "qk_norm", "qk_norm_scope", "qk_norm_epsilon", "query_temperature",
     "qk_norm_after_rope", "value_norm", "qkv_clip", "gate_activation",
 )
+# Keras's private names for its layers' settings, read-only here, for code
+# written against Keras's (Keras's own tests read `_flash_attention` and
+# `_sliding_window`), and two of ours that the class's own family reads
+# (`CachedMultiHeadAttention`, `KerasPrivateNames`).
+_PRIVATE_NAMES = (
+    "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "use_gate",
+    "output_shape", "attention_axes", "sliding_window", "flash_attention",
+    "kernel_initializer", "bias_initializer", "kernel_regularizer",
+    "bias_regularizer", "activity_regularizer", "kernel_constraint",
+    "bias_constraint", "num_key_value_heads", "scale",
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
 @properties.with_read_only(
     *(name for name in _SETTINGS if name not in ("use_gate", "output_shape")),
-    "rotary_embedding", "query_dense", "key_dense", "value_dense",
-    "output_dense", attn_logits_soft_cap="_soft_cap",
+    "rotary_embedding", "attn_logits_soft_cap", attribute="settings.{}",
 )
+@properties.with_read_only(*_PRIVATE_NAMES, attribute="settings.{}",
+                           name="_{}")
+@properties.with_read_only("query_dense", "key_dense", "value_dense",
+                           "output_dense")
 class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
                          keras.layers.Layer):
     """Multi-head attention, a drop-in for `keras.layers.MultiHeadAttention`.
@@ -57,10 +73,12 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
     Weights: the `EinsumDense` sublayers `query`, `key`, (`gate`), `value`
     and `attention_output`, Keras's names, shapes and order, then `sinks`,
     `query_norm` and `key_norm`; `set_weights(keras_layer.get_weights())`
-    works both ways. Read-only properties give the constructor's values
-    resolved (`value_dim`, `num_key_value_heads` and `scale` filled in) and
-    the sublayers (`query_dense`, `key_dense`, `value_dense`,
-    `output_dense`, `query_norm`, `key_norm`).
+    works both ways. `settings` holds the constructor's values resolved
+    (`value_dim`, `num_key_value_heads` and `scale` filled in) as one
+    frozen value (`keras_mha.settings.MultiHeadSettings`); read-only
+    properties give them as Keras's do, and the sublayers (`query_dense`,
+    `key_dense`, `value_dense`, `output_dense`, `query_norm`, `key_norm`;
+    `sublayer(name)`).
 
     Args:
         num_heads: `N`, the number of query heads.
@@ -214,51 +232,58 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             qk_norm_after_rope, value_norm, qkv_clip)
         flash_attention = checks.flash_attention(flash_attention, dropout)
         super().__init__(**kwargs)
-        self.supports_masking = True
-        self._num_heads = num_heads
-        self._key_dim = key_dim
-        self._value_dim = value_dim or key_dim
-        self._num_key_value_heads = num_key_value_heads or num_heads
-        self._dropout = dropout
-        self._use_bias = bool(use_bias)
-        self._use_gate = bool(use_gate)
-        self._gate_activation = checks.choice(
+        gate_activation = checks.choice(
             "gate_activation", gate_activation, ("sigmoid", "softplus"))
-        self._output_shape = checks.output_shape(output_shape)
-        self._attention_axes = checks.attention_axes(attention_axes)
+        output_shape = checks.output_shape(output_shape)
+        axes = checks.attention_axes(attention_axes)
         checks.single_attention_axis(
-            self._attention_axes, attention_axes, sliding_window=sliding_window,
+            axes, attention_axes, sliding_window=sliding_window,
             attention_chunk_size=attention_chunk_size,
         )
-        self._sliding_window = sliding_window
-        self._attention_chunk_size = attention_chunk_size
-        self._flash_attention = flash_attention
-        self._kernel_initializer = keras.initializers.get(kernel_initializer)
-        self._bias_initializer = keras.initializers.get(bias_initializer)
-        self._kernel_regularizer = keras.regularizers.get(kernel_regularizer)
-        self._bias_regularizer = keras.regularizers.get(bias_regularizer)
-        self._activity_regularizer = keras.regularizers.get(
-            activity_regularizer
+        self.settings = settings_lib.MultiHeadSettings(
+            num_heads=num_heads, key_dim=key_dim,
+            value_dim=value_dim or key_dim,
+            num_key_value_heads=num_key_value_heads or num_heads,
+            dropout=dropout, use_bias=bool(use_bias), use_gate=bool(use_gate),
+            gate_activation=gate_activation, output_shape=output_shape,
+            attention_axes=axes, sliding_window=sliding_window,
+            attention_chunk_size=attention_chunk_size,
+            flash_attention=flash_attention,
+            kernel_initializer=keras.initializers.get(kernel_initializer),
+            bias_initializer=keras.initializers.get(bias_initializer),
+            kernel_regularizer=keras.regularizers.get(kernel_regularizer),
+            bias_regularizer=keras.regularizers.get(bias_regularizer),
+            activity_regularizer=keras.regularizers.get(activity_regularizer),
+            kernel_constraint=keras.constraints.get(kernel_constraint),
+            bias_constraint=keras.constraints.get(bias_constraint),
+            given_scale=scale,
+            scale=spec_lib.default_scale(key_dim) if scale is None else scale,
+            attn_logits_soft_cap=attn_logits_soft_cap, use_sinks=use_sinks,
+            use_alibi=use_alibi, rotary_embedding=rotary_embedding,
+            **head_features,
         )
-        self._kernel_constraint = keras.constraints.get(kernel_constraint)
-        self._bias_constraint = keras.constraints.get(bias_constraint)
+        self.supports_masking = True
         self.seed = seed
-        self._given_scale = scale
-        self._scale = spec_lib.default_scale(key_dim) if scale is None else scale
-        self._soft_cap = attn_logits_soft_cap
-        self._use_sinks = use_sinks
-        self._use_alibi = use_alibi
-        self._rotary_embedding = rotary_embedding
-        (self._qk_norm, self._qk_norm_scope, self._qk_norm_epsilon,
-         self._query_temperature, self._qk_norm_after_rope, self._value_norm,
-         self._qkv_clip) = head_features
+        self._rotary_embedding = rotary_embedding  # tracked: a sublayer
         self._query_norm = self._key_norm = None  # `HeadNorm`s, built
+        self._layout = self._feature_sizes = None  # the inputs', built
         self._adopted = {}  # built projections by name, for `build`
 
     # Read-only as in Keras (the others: `with_read_only` above).
-    scale = _read_only("_scale", "The logit scale; `1 / sqrt(key_dim)` if unset.")
+    scale = _read_only("settings.scale",
+                       "The logit scale; `1 / sqrt(key_dim)` if unset.")
     query_norm = _read_only("_query_norm", "`qk_norm='rms'` or `'layer'`.")
     key_norm = _read_only("_key_norm", "`qk_norm='rms'` or `'layer'`.")
+    input_layout = _read_only(
+        "_layout", "The `AxesLayout` of the inputs the layer was built for "
+        "(`None` before `build`).")
+    input_features = _read_only(
+        "_feature_sizes", "The feature sizes of the inputs the layer was "
+        "built for, by name (`query`, `value`, `key`); `None` before "
+        "`build`.")
+    _sublayers = dict(query="_query_dense", key="_key_dense",
+                      value="_value_dense", gate="_gate_dense",
+                      output="_output_dense")  # `sublayer`
 
     @property
     def sinks(self):
@@ -269,28 +294,31 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
     # ------------------------------------------------------------------ build
 
     def build(self, query_shape, value_shape, key_shape=None):
+        settings = self.settings
         query_shape, value_shape = tuple(query_shape), tuple(value_shape)
         key_shape = value_shape if key_shape is None else tuple(key_shape)
         self._layout = checks.input_shapes(
-            query_shape, value_shape, key_shape, self._attention_axes
+            query_shape, value_shape, key_shape, settings.attention_axes
         )
         self._feature_sizes = dict(query=query_shape[-1],
                                    value=value_shape[-1], key=key_shape[-1])
-        heads = {
-            "query": (self._num_heads, self._key_dim, query_shape),
-            "key": (self._num_key_value_heads, self._key_dim, key_shape),
-            "gate": (self._num_heads, self._value_dim, query_shape),
-            "value": (self._num_key_value_heads, self._value_dim, value_shape),
+        heads, kv_heads = settings.num_heads, settings.num_key_value_heads
+        key_dim, value_dim = settings.key_dim, settings.value_dim
+        projected = {
+            "query": (heads, key_dim, query_shape),
+            "key": (kv_heads, key_dim, key_shape),
+            "gate": (heads, value_dim, query_shape),
+            "value": (kv_heads, value_dim, value_shape),
         }
         # Keras's order (query, key, gate, value, then output), so
         # `get_weights()` lines up with Keras's layers. Projections handed
         # over before the build (`hub.adopt`) are used as they are.
-        for name, (count, size, shape) in heads.items():
-            if name == "gate" and not self._use_gate:
+        for name, (count, size, shape) in projected.items():
+            if name == "gate" and not settings.use_gate:
                 continue
             dense = self._adopted.pop(name, None) or projections.heads_projection(
                 self, len(shape), count, size, name,
-                activation=self._gate_activation if name == "gate" else None,
+                activation=settings.gate_activation if name == "gate" else None,
             )
             if not dense.built:
                 dense.build(shape)
@@ -298,20 +326,21 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         # Holds the dropout's `SeedGenerator`, as Keras's layer does; every
         # path drops weights with it (see `AttentionSpec.seed`).
         self._dropout_layer = keras.layers.Dropout(
-            rate=self._dropout, dtype=self.dtype_policy, seed=self.seed
+            rate=settings.dropout, dtype=self.dtype_policy, seed=self.seed
         )
         self._output_dense = self._adopted.pop(
             "output", None) or projections.output_projection(
-            self, len(query_shape), self._output_shape or (query_shape[-1],))
+            self, len(query_shape),
+            settings.output_shape or (query_shape[-1],))
         if not self._output_dense.built:
-            self._output_dense.build(
-                query_shape[:-1] + (self._num_heads, self._value_dim))
-        if self._use_sinks:  # after Keras's weights, so theirs line up
+            self._output_dense.build(query_shape[:-1] + (heads, value_dim))
+        if settings.use_sinks:  # after Keras's weights, so theirs line up
             self._sinks_layer = projections.Sinks(
-                self._num_heads, name="sinks", dtype=self.dtype_policy
+                heads, name="sinks", dtype=self.dtype_policy
             )
             self._sinks_layer.build()
-        heads_lib.build_norms(self)  # `query_norm`, `key_norm`
+        self._query_norm, self._key_norm = heads_lib.build_norms(
+            settings, self._adopted, self.dtype_policy)
 
     # ------------------------------------------------------------------- call
 
@@ -325,12 +354,17 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         if key is None:
             key = value
         checks.call_arguments(
-            self, query, value, key, query_mask, value_mask, key_mask,
-            attention_mask, return_attention_scores, use_causal_mask, cache,
-            cache_update_index, attention_bias, segment_ids, key_segment_ids,
+            self, query=query, value=value, key=key, query_mask=query_mask,
+            value_mask=value_mask, key_mask=key_mask,
+            attention_mask=attention_mask,
+            return_attention_scores=return_attention_scores,
+            use_causal_mask=use_causal_mask, cache=cache,
+            cache_update_index=cache_update_index,
+            attention_bias=attention_bias, segment_ids=segment_ids,
+            key_segment_ids=key_segment_ids,
         )
         layout = self._layout
-        gate = self._gate_dense(query) if self._use_gate else None
+        gate = self._gate_dense(query) if self.settings.use_gate else None
         q = layout.to_sequence(self._query_dense(query))  # (B', T, N, H)
         k = layout.to_sequence(self._key_dense(key))  # (B', S, K, H)
         v = layout.to_sequence(self._value_dense(value))  # (B', S, K, V)
@@ -346,10 +380,11 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         v = heads_lib.values(self, v, key_tokens)
 
         spec = self._describe(
-            query, key, attention_mask, training, return_attention_scores,
-            query_tokens, key_tokens, use_causal_mask,
-            attention_bias=attention_bias, segment_ids=segment_ids,
-            key_segment_ids=key_segment_ids,
+            query, key, attention_mask, training=training,
+            return_attention_scores=return_attention_scores,
+            query_tokens=query_tokens, key_tokens=key_tokens,
+            use_causal_mask=use_causal_mask, attention_bias=attention_bias,
+            segment_ids=segment_ids, key_segment_ids=key_segment_ids,
         )
         new_cache = None
         if cache is None:
@@ -365,17 +400,22 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             scores = None
         return self._project_back(context, gate, query, scores, new_cache)
 
-    def _describe(self, query, key, attention_mask, training,
-                  return_attention_scores, query_tokens=None, key_tokens=None,
-                  use_causal_mask=False, **features):
+    def _describe(self, query, key, attention_mask, training=None,
+                  return_attention_scores=False, *, query_tokens=None,
+                  key_tokens=None, use_causal_mask=False, **features):
         """The call's `AttentionSpec` (`describe.describe`), with the dense
         mask laid out as the heads are; `features`: `attention_bias`,
         `segment_ids`, `key_segment_ids`."""
-        dense_mask = self._layout.attention_mask(attention_mask, query, key,
-                                                 self._num_heads)
+        dense_mask = self._layout.attention_mask(
+            attention_mask, query, key, self.settings.num_heads)
         return describe_lib.describe(
-            self, query_tokens, key_tokens, dense_mask, use_causal_mask,
-            training, return_attention_scores, **features,
+            self, query_tokens=query_tokens, key_tokens=key_tokens,
+            dense_mask=dense_mask, use_causal_mask=use_causal_mask,
+            training=training,
+            return_attention_scores=return_attention_scores,
+            # Keras's `Dropout` has a `SeedGenerator` only at a rate > 0.
+            seed=getattr(self._dropout_layer, "seed_generator", None),
+            **features,
         )
 
     def _project_back(self, context, gate, query, scores=None, cache=None):
@@ -425,8 +465,10 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
                      attention_mask=attention_mask,
                      attention_bias=attention_bias, segment_ids=segment_ids)
         return describe_lib.attention_path(
-            self, query_shape, value_shape, key_shape, given, use_causal_mask,
-            return_attention_scores, training, cache,
+            self, query_shape, value_shape, key_shape, given=given,
+            use_causal_mask=use_causal_mask,
+            return_attention_scores=return_attention_scores,
+            training=training, cache=cache,
         )
 
     # ------------------------------------------------------------------ cache
@@ -434,16 +476,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
     @property
     def rolling_cache(self):
         """Whether `init_cache` makes a rolling buffer (a window, chunks)."""
-        return (self._sliding_window or self._attention_chunk_size) is not None
-
-    @property
-    def _rolling_slots(self):
-        """A rolling cache's slots: the most keys a causal query sees, the
-        window's `left + 1` or the chunk's `C`, the fewer."""
-        return spec_lib.AttentionSpec(
-            1.0, causal=True, chunk=self._attention_chunk_size,
-            window=spec_lib.window_sides(self._sliding_window, True),
-        ).reach[0] + 1
+        return self.settings.rolling_slots is not None
 
     def init_cache(self, batch_size, max_length, in_place=False):
         """A zero key/value cache for decoding up to `max_length` tokens.
@@ -471,13 +504,18 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         `in_place=True` an eager call writes into the cache's own tensors,
         O(T) instead of O(L) (torch, TensorFlow: the same tensors come
         back; JAX: the ones passed in are donated), and returns an
-        in-place cache. Traced (`jax.jit`, `tf.function`), writes are
-        functional in both modes and XLA reuses donated buffers.
+        in-place cache. Such a cache says so itself: it is a
+        `keras_mha.attention.cache.InPlaceCache`, a named tuple of the same
+        three tensors, and so is every cache a call on it returns; a plain
+        tuple of them is the caller's. Traced (`jax.jit`, `tf.function`,
+        `torch.compile`), writes are functional in both modes and XLA
+        reuses donated buffers.
         """
         slots = checks.cache_slots(self, batch_size, max_length, in_place)
+        settings = self.settings
         return distribution_lib.shard_cache(cache_lib.zeros(
-            batch_size, slots, self._num_key_value_heads, self._key_dim,
-            self._value_dim, self.compute_dtype, in_place=in_place,
+            batch_size, slots, settings.num_key_value_heads, settings.key_dim,
+            settings.value_dim, self.compute_dtype, in_place=in_place,
         ))
 
     # ----------------------------------------------------------------- shapes
@@ -487,10 +525,10 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         query_shape = tuple(query_shape)
         checks.input_shapes(
             query_shape, tuple(value_shape), tuple(key_shape),
-            self._attention_axes,
+            self.settings.attention_axes,
         )
-        if self._output_shape:
-            return query_shape[:-1] + self._output_shape
+        if self.settings.output_shape:
+            return query_shape[:-1] + self.settings.output_shape
         return query_shape
 
     def compute_output_spec(self, *args, **kwargs):
@@ -504,8 +542,9 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             dtype=self.compute_dtype,
         )
         return hooks.results(output, *describe_lib.extra_result_specs(
-            self, query, value, key, call["return_attention_scores"],
-            call["cache"],
+            self, query, value, key,
+            return_attention_scores=call["return_attention_scores"],
+            cache=call["cache"],
         ))
 
 

@@ -33,7 +33,7 @@ def heads_projection(layer, rank, num_heads, head_size, name, activation=None):
     projection = Projection(
         equation,
         output_shape=[None] * (rank - 2) + [num_heads, head_size],
-        bias_axes=bias_axes if layer.use_bias else None,
+        bias_axes=bias_axes if layer.settings.use_bias else None,
         activation=activation,
         name=name,
         **sublayer_kwargs(layer),
@@ -50,7 +50,7 @@ def output_projection(layer, rank, output_shape):
     return Projection(
         equation,
         output_shape=[None] * (rank - 2) + list(output_shape),
-        bias_axes=bias_axes if layer.use_bias else None,
+        bias_axes=bias_axes if layer.settings.use_bias else None,
         name="attention_output",
         **sublayer_kwargs(layer),
     )
@@ -110,16 +110,41 @@ def quantize(layer, mode=None, type_check=True, config=None):
     policies = layer.dtype_policy
     if not isinstance(policies, keras.dtype_policies.DTypePolicyMap):
         policies = keras.dtype_policies.DTypePolicyMap(default_policy=policies)
-    for sublayer in layer._flatten_layers(include_self=False):
+    for sublayer in _all_sublayers(layer):
         if isinstance(sublayer, keras.layers.EinsumDense):
             sublayer.quantize(mode, config=config)
             policies[sublayer.path] = sublayer.dtype_policy
-    layer._dtype_policy = policies
+    _replace_dtype_policy(layer, policies)
     if capabilities.variables_are_parameters():
         # As `Model.quantize` does: the replaced weights leave the torch
         # parameters.
-        for tracked in layer._flatten_layers():
-            tracked._track_variables()
+        for tracked in [layer, *_all_sublayers(layer)]:
+            _retrack_variables(tracked)
+
+
+# Keras's own internals, each behind one function: Keras has no public
+# way to do these (`tests/test_structure.py` lists them).
+
+
+def _all_sublayers(layer):
+    """Every sublayer of `layer`, nested ones too: Keras's
+    `Layer._flatten_layers`, as `Model.quantize` uses it (a `Layer` has no
+    public listing of its nested sublayers)."""
+    return list(layer._flatten_layers(include_self=False))
+
+
+def _replace_dtype_policy(layer, policies):
+    """Makes the `DTypePolicyMap` `policies` the layer's dtype policy.
+    Keras's setter, `layer.dtype_policy = policies`, would file the map
+    inside the layer's own map under its path when the layer's policy is
+    a map already; `Model.quantize` sets `_dtype_policy` too."""
+    layer._dtype_policy = policies
+
+
+def _retrack_variables(layer):
+    """Keras's `Layer._track_variables`: torch's parameters follow the
+    layer's variables again (after quantization replaced some)."""
+    layer._track_variables()
 
 
 def sublayer_kwargs(layer):
@@ -130,12 +155,15 @@ def sublayer_kwargs(layer):
     def clone(initializer):
         return initializer.__class__.from_config(initializer.get_config())
 
-    optional = ("kernel_regularizer", "bias_regularizer",
-                "activity_regularizer", "kernel_constraint", "bias_constraint")
+    settings = layer.settings
     return dict(
-        kernel_initializer=clone(layer._kernel_initializer),
-        bias_initializer=clone(layer._bias_initializer),
-        **{name: getattr(layer, f"_{name}", None) for name in optional},
+        kernel_initializer=clone(settings.kernel_initializer),
+        bias_initializer=clone(settings.bias_initializer),
+        kernel_regularizer=settings.kernel_regularizer,
+        bias_regularizer=settings.bias_regularizer,
+        activity_regularizer=settings.activity_regularizer,
+        kernel_constraint=settings.kernel_constraint,
+        bias_constraint=settings.bias_constraint,
         dtype=layer.dtype_policy,
     )
 

@@ -56,36 +56,41 @@ def paged_attention(layer, query, value, key, cache, context,
     _check(layer, query, value, key, return_attention_scores)
     from keras_hub.src.vllm.attention import vllm_paged_attention
 
+    settings = layer.settings
     positions = ops.reshape(context.positions, (-1, 1))  # (B, T) = (n, 1)
-    gate = layer._gate_dense(query) if layer._use_gate else None
-    q = heads_lib.queries(layer, layer._query_dense(query), 0,
+    q = heads_lib.queries(layer, layer.sublayer("query")(query), 0,
                           positions=positions)
-    k = heads_lib.keys(layer, layer._key_dense(key), 0, positions=positions)
-    v = heads_lib.values(layer, layer._value_dense(value))
-    window = layer._sliding_window
+    k = heads_lib.keys(layer, layer.sublayer("key")(key), 0,
+                       positions=positions)
+    v = heads_lib.values(layer, layer.sublayer("value")(value))
     context_heads = vllm_paged_attention(
-        q, k, v, layer._scale, num_kv_heads=layer._num_key_value_heads,
-        sliding_window=window, soft_cap=layer._soft_cap,
+        q, k, v, settings.scale, num_kv_heads=settings.num_key_value_heads,
+        sliding_window=settings.sliding_window,
+        soft_cap=settings.attn_logits_soft_cap,
     )  # (B, T, N, V)
-    output = layer._project_back(context_heads, gate, query)
+    if settings.use_gate:  # rank-3 inputs: heads laid out as the gate's
+        gate = layer.sublayer("gate")(query)  # (B, T, N, V)
+        context_heads = ops.multiply(context_heads, gate)
+    output = layer.sublayer("output")(context_heads)  # (B, T, E)
     return output if cache is None else (output, cache)
 
 
 def _check(layer, query, value, key, return_attention_scores):
+    settings = layer.settings
     refused = {
-        "use_sinks": layer._use_sinks,
-        "use_alibi": layer._use_alibi,
-        "attention_chunk_size": layer._attention_chunk_size is not None,
-        "query_temperature": layer._query_temperature is not None,
+        "use_sinks": settings.use_sinks,
+        "use_alibi": settings.use_alibi,
+        "attention_chunk_size": settings.attention_chunk_size is not None,
+        "query_temperature": settings.query_temperature is not None,
         "return_attention_scores": return_attention_scores,
         "cross-attention": value is not query or key is not query,
-        "sliding_window": not (layer._sliding_window is None
-                               or isinstance(layer._sliding_window, int)),
+        "sliding_window": not (settings.sliding_window is None
+                               or isinstance(settings.sliding_window, int)),
     }
     for name, found in refused.items():
         if found:
             raise ValueError(
                 f"keras-hub's vLLM paged attention cannot take the layer's "
                 f"{name}, and its serving context is active. Received: "
-                f"{name}={getattr(layer, '_' + name, True)!r}"
+                f"{name}={getattr(settings, name, True)!r}"
             )

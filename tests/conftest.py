@@ -4,6 +4,7 @@ The backend comes from `KERAS_BACKEND` or `KERAS_HOME=configs/<backend>`;
 the same files run unchanged on each.
 """
 
+import gc
 import importlib.util
 import os
 
@@ -30,6 +31,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "training" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collector_skips_earlier_modules():
+    """Frees what the modules before left, then freezes what stays: the
+    imports, the backend's caches and compiled programs live to the end,
+    and Python's full collections, which a long session runs again and
+    again, would scan them all each time (a third of a JAX session's time
+    in some modules)."""
+    gc.collect()
+    gc.freeze()
+    yield
 
 
 @pytest.fixture(autouse=True)
@@ -88,24 +101,29 @@ def skip_unless_jax_children_here():
 
 def jax_child_env(devices):
     """The environment of a JAX child process with `devices` host devices:
-    this one's, its backend and Keras home JAX's."""
+    this one's, its backend and Keras home JAX's, compiling with the
+    element-wise emitters of the JAX session (`testrun.XLA_TEST_FLAG`)."""
+    from keras_mha.cli.testrun import XLA_TEST_FLAG
+
     env = dict(os.environ)
     env.pop("KERAS_HOME", None)
     env.update(
         KERAS_BACKEND="jax",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=(f"--xla_force_host_platform_device_count={devices} "
+                   f"{XLA_TEST_FLAG}"),
         JAX_PLATFORMS="cpu",
     )
     return env
 
 
 @pytest.fixture(params=_decode_implementations())
-def decode_implementation(request, monkeypatch):
+def decode_implementation(request):
     """Eager decoding steps on each implementation the backend has: the
     portable block loop op by op everywhere, and the native route of
     torch (its fused kernel), TensorFlow and JAX (the loop compiled).
-    `native` serves the steps it can (eager, with a value for the index)."""
+    `native` serves the steps it can (eager, with a value for the index).
+    Held by `decode.force_implementation`, the users' override."""
     from keras_mha.attention import decode
 
-    monkeypatch.setattr(decode, "IMPLEMENTATION", request.param)
-    return request.param
+    with decode.force_implementation(request.param):
+        yield request.param

@@ -11,7 +11,6 @@ downloaded. The model, not the test, builds the masks and rotary tables.
 """
 
 import dataclasses
-import gc
 import inspect
 
 import hf_models
@@ -22,6 +21,25 @@ SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, intermediate_size=32, vocab_size=64,
              num_hidden_layers=2)
 SMALL = dict(sliding_window=4, attention_chunk_size=4)
+# Sizes of the parts around the attention (feed-forward layers, experts,
+# per-layer embeddings, linear-attention heads) that a family's defaults
+# set large: at their defaults some tiny models hold hundreds of millions
+# of parameters. Shrunk where the config has them.
+AROUND = dict(
+    moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    shared_experts_intermediate_size=32, shared_intermediate_size=32,
+    moe_shared_expert_intermediate_size=32, ffn_dim=32, encoder_ffn_dim=32,
+    decoder_ffn_dim=32, intermediate_size_mlp=32, dim_ff=32,
+    first_dense_intermediate_size=32, mlp_only_intermediate_size=32,
+    dense_intermediate_size=32, feed_forward_size=32,
+    vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
+    linear_key_head_dim=16, linear_value_head_dim=16,
+)
+# Expert counts, cut to this many (or to the experts each token takes).
+EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts",
+           "moe_num_experts")
+TOP_K = ("num_experts_per_tok", "moe_topk", "top_k")
+FEW_EXPERTS = 8
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # A BERT-style `*ForCausalLM` is a decoder only with `is_decoder=True`.
 DECODER = dict(is_decoder=True)
@@ -55,6 +73,17 @@ OVERRIDES = {
     "whisper": dict(decoder_attention_heads=4, encoder_attention_heads=4),
     "dots3_note_text": dict(num_key_value_heads=4),
     "dots3_note": dict(num_key_value_heads=4),
+    # Its audio and vision towers, at their defaults, are most of its
+    # 870 million parameters.
+    "phi4_multimodal": dict(
+        audio_config=dict(hidden_size=32, intermediate_size=32, num_blocks=1,
+                          num_attention_heads=2, ext_pw_out_channel=32,
+                          depthwise_separable_out_channel=32,
+                          nemo_conv_channels=32),
+        vision_config=dict(hidden_size=32, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, crop_size=28),
+    ),
 }
 
 
@@ -121,11 +150,25 @@ def tiny_config(model_type):
         kwargs.pop("head_dim", None)
     if "rotary_dim" in parameters:  # GPT-J, CodeGen
         kwargs["rotary_dim"] = 8
-    for name, value in SMALL.items():
+    for name, value in {**SMALL, **AROUND}.items():
         if name in parameters and getattr(default, name, None) is not None:
             kwargs[name] = value
+    kwargs.update(_few_experts(default, parameters))
     kwargs.update(OVERRIDES.get(model_type, {}))
     return model_class, config_class(**kwargs)
+
+
+def _few_experts(default, parameters):
+    """Expert counts cut to `FEW_EXPERTS`, or to the experts a token takes,
+    or to two a group where routing picks groups, where those are more."""
+    taken = [getattr(default, name, None) for name in TOP_K]
+    groups = getattr(default, "n_group", None)
+    taken.append(2 * groups if isinstance(groups, int) else None)
+    least = max([FEW_EXPERTS] + [k for k in taken if isinstance(k, int)])
+    return {name: least for name in EXPERTS
+            if name in parameters
+            and isinstance(getattr(default, name, None), int)
+            and getattr(default, name) > least}
 
 
 def build(model_type, seed=0, scale=0.25):
@@ -217,6 +260,4 @@ def run(model_type, seed=0):
     result = [dataclasses.replace(call, output=captured_dense[module])
               if module in captured_dense else call
               for module, call in calls.items()]
-    del model
-    gc.collect()
     return result

@@ -3,13 +3,16 @@ hands it to the layer (docs/design.md, "Who owns a cache").
 
 By default a call never deletes, donates or writes into a cache it was
 given: keras-hub's tests, beam search and retries compute a prefill from a
-cache, then decode again from the same cache. An in-place cache is written
-where it lies in eager calls (torch and TensorFlow return the same
-tensors, JAX donates the ones given), and the returned cache stays
-in-place.
+cache, then decode again from the same cache. An in-place cache says so
+itself (`cache.InPlaceCache`, a named tuple): it is written where it lies
+in eager calls (torch and TensorFlow return the same tensors, JAX donates
+the ones given), the returned cache is in-place too, eager or compiled,
+and the same tensors in a plain tuple are the caller's.
 """
 
+import ast
 import gc
+import pathlib
 
 import keras
 import numpy as np
@@ -201,10 +204,11 @@ class TestInPlaceMode:
             _, new = ours(x[:, i : i + 1], x[:, i : i + 1],
                           attention_mask=_causal(1, LENGTH, i), cache=cache,
                           cache_update_index=i)
+            assert cache_lib.is_in_place(new) == (BACKEND != "numpy")
             if BACKEND in ("torch", "tensorflow"):
-                assert new is first
+                assert new.keys_and_values is first.keys_and_values
             elif BACKEND == "jax":
-                assert cache.is_deleted() and cache_lib.is_in_place(new)
+                assert cache.keys_and_values.is_deleted()
             cache = new
         if BACKEND == "numpy":
             _assert_unchanged(first, [np.zeros(first.shape)])
@@ -221,6 +225,50 @@ class TestInPlaceMode:
               cache_update_index=0)
         _assert_unchanged(copy, before)
 
+    def test_a_plain_tuple_of_its_tensors_is_the_callers(self, rng):
+        """Ownership is the value's, not its tensors': the tensors of an
+        in-place cache in a plain tuple are written functionally, and the
+        caches returned are plain tuples."""
+        layer, x = _mha(rng)
+        cache = tuple(layer.init_cache(BATCH, LENGTH, in_place=True))
+        assert not cache_lib.is_in_place(cache)
+        for i in (0, 1):  # the prompt's route, then a step's
+            before = _snapshot(cache)
+            _, new = layer(x[:, i : i + 1], x[:, i : i + 1],
+                           use_causal_mask=True, cache=cache,
+                           cache_update_index=i)
+            _assert_unchanged(cache, before)
+            assert type(new) is tuple
+            cache = new
+
+    @pytest.mark.parametrize("mode", MODES)
+    def test_the_returned_cache_is_in_place(self, rng, mode):
+        """A compiled step (`jax.jit`, `tf.function` with XLA,
+        `torch.compile`) writes functionally, leaving the in-place cache
+        it is given as it was, and returns an in-place cache, which the
+        next eager step writes where it lies."""
+        if BACKEND == "numpy":
+            pytest.skip("NumPy has no in-place write: no in-place cache")
+        layer, x = _mha(rng)
+        step = _mha_step(layer, mode)
+        if mode == "compiled" and BACKEND == "torch":
+            step = _torch_compiled(step)
+        cache = layer.init_cache(BATCH, LENGTH, in_place=True)
+        _, cache = _mha_step(layer, "eager")(x[:, :PROMPT], cache, 0)
+        before = _snapshot(cache)
+        _, new = step(x[:, PROMPT : PROMPT + 1], cache, _index(PROMPT, mode))
+        assert type(new) is cache_lib.InPlaceCache
+        if mode == "compiled":
+            _assert_unchanged(cache, before)
+        _, last = _mha_step(layer, "eager")(
+            x[:, PROMPT + 1 : PROMPT + 2], new, PROMPT + 1)
+        assert type(last) is cache_lib.InPlaceCache
+        for old_tensor, new_tensor in zip(new, last):
+            if BACKEND == "jax":
+                assert old_tensor.is_deleted()
+            else:
+                assert new_tensor is old_tensor
+
     @pytest.mark.parametrize("bad", [1, "yes", None])
     def test_in_place_must_be_a_bool(self, rng, bad):
         layer, _ = _mha(rng)
@@ -228,99 +276,76 @@ class TestInPlaceMode:
             layer.init_cache(BATCH, LENGTH, in_place=bad)
 
 
-@pytest.mark.skipif(BACKEND not in ("torch", "jax"),
-                    reason="cache_kernels.copy_slots serves torch and JAX")
-class TestRecycledMemory:
-    """A functional eager write on the CPU copies the cache into the
-    memory of a cache of the same size that nothing refers to any more
-    (`cache_kernels._Recycler`), never into one still referred to."""
+class TestDefaultModeMemory:
+    """A functional eager write takes its new tensors from the backend's
+    allocator: the library keeps no memory pool, and no state keyed by
+    tensors (docs/performance.md says how to let the allocator reuse a
+    dropped cache's memory)."""
 
-    SLOTS = 37  # a size of its own: no other test's caches share its lists
-
-    def _loop(self, rng, keep=None):
-        if BACKEND == "jax":
-            return self._steps(rng, keep)
-        import torch
-
-        with torch.no_grad():  # no step's output keeps an old cache alive
-            return self._steps(rng, keep)
-
-    def _steps(self, rng, keep):
+    def test_an_old_cache_keeps_its_values(self, rng):
+        """A view and a NumPy array of an old cache hold its values while
+        later steps write new caches, the collector running at every
+        step."""
         layer, x = _mha(rng)
         full = to_numpy(layer(x, x, use_causal_mask=True))
-        x = np.concatenate([x] * 2, axis=1)[:, : self.SLOTS]
-        cache = layer.init_cache(BATCH, self.SLOTS)
-        outputs, pointers = [], []
+        cache, outputs, kept = layer.init_cache(BATCH, LENGTH), [], {}
         for i in range(LENGTH):
             out, cache = layer(x[:, i : i + 1], x[:, i : i + 1],
                                use_causal_mask=True, cache=cache,
                                cache_update_index=i)
             outputs.append(to_numpy(out))
-            pointers.append({_pointer(t) for t in cache})
-            if keep is not None and i == 1:
-                keep(cache)
-            # Keras's call flattens its arguments with torch's pytree,
-            # whose closures hold them in a reference cycle until the
-            # collector runs; here it runs at every step.
+            if i == 1:
+                kept = {"view": cache[0][:, :3],
+                        "array": np.asarray(to_numpy(cache[1])),
+                        "before": _snapshot(cache)}
             gc.collect()
         assert_close(np.concatenate(outputs, axis=1), full)
-        return cache, pointers
-
-    def test_a_dropped_cache_is_reused(self, rng):
-        _, pointers = self._loop(rng)
-        # Each step's cache lies where that of two steps before did.
-        assert pointers[2:] == pointers[:-2]
-        assert not pointers[0] & pointers[1]
-
-    def test_a_cache_still_referred_to_is_not_reused(self, rng):
-        kept = {}
-
-        def keep(cache):
-            # torch: a view of the keys; both: a NumPy array of the values
-            if BACKEND == "torch":
-                kept["view"] = cache[0][:, :3]
-            kept["array"] = np.asarray(cache[1])
-            kept["before"] = _snapshot(cache)
-
-        self._loop(rng, keep)
-        if BACKEND == "torch":
-            np.testing.assert_array_equal(to_numpy(kept["view"]),
-                                          kept["before"][0][:, :3])
+        np.testing.assert_array_equal(to_numpy(kept["view"]),
+                                      kept["before"][0][:, :3])
         np.testing.assert_array_equal(kept["array"], kept["before"][1])
 
-    def test_nothing_is_kept_once_the_caches_are_dropped(self, rng):
-        from keras_mha.attention import cache_kernels
-
-        cache, _ = self._loop(rng)
-        sizes = {t.size * t.dtype.itemsize if BACKEND == "jax"
-                 else t.numel() * t.element_size() for t in cache}
-        assert cache_kernels._RECYCLER.free_bytes(sizes) > 0
-        del cache
-        gc.collect()
-        assert cache_kernels._RECYCLER.free_bytes(sizes) == 0
+    def test_no_state_keyed_by_tensors(self):
+        """No module of the library imports `weakref`, and the attention
+        modules call no `id()`: what a cache is travels with its value."""
+        root = pathlib.Path(cache_lib.__file__).resolve().parents[1]
+        for path in sorted(root.rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names]
+                         if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom)
+                         else [])
+                assert "weakref" not in names, path
+                if path.parent.name == "attention":
+                    assert not (isinstance(node, ast.Call)
+                                and isinstance(node.func, ast.Name)
+                                and node.func.id == "id"), path
 
     @pytest.mark.skipif(BACKEND != "torch", reason="torch's autograd")
-    def test_gradients_flow_through_a_recycled_write(self, rng):
-        """Into the cache's slots that stay and into the new tokens, as
-        through `slice_update` (JAX differentiates traced calls, which
-        `copy_slots` does not serve)."""
+    def test_gradients_flow_through_a_functional_write(self, rng):
+        """Into the cache's slots that stay and into the new tokens (JAX
+        and TensorFlow differentiate traced calls)."""
         import torch
-
-        from keras_mha.attention import cache_kernels
 
         cache = torch.zeros((1, 4, 1, 2), requires_grad=True)
         new = torch.ones((1, 1, 1, 2), requires_grad=True)
-        assert cache_kernels.can_copy_slots(cache, new)
         written = cache_lib._write_run(cache, new, 1)
         (written * torch.arange(1.0, 9.0).reshape(1, 4, 1, 2)).sum().backward()
         assert new.grad.flatten().tolist() == [3.0, 4.0]
         assert cache.grad.flatten().tolist() == [1, 2, 0, 0, 5, 6, 7, 8]
 
 
-def _pointer(tensor):
-    if BACKEND == "jax":
-        return tensor.unsafe_buffer_pointer()
-    return tensor.data_ptr()
+def _torch_compiled(step):
+    """`step` under `torch.compile`, called without gradients (decoding)."""
+    import torch
+
+    compiled_step = torch.compile(step, backend="aot_eager")
+
+    def run(*args):
+        with torch.no_grad():
+            return compiled_step(*args)
+
+    return run
 
 
 def _pointers(cache):

@@ -182,6 +182,30 @@ class TestAgainstKerasHub:
             ours(x[:, 3:], x[:, 3:], **step)
         assert seen[-1] == dispatch.FUSED
 
+    def test_route_rule(self, monkeypatch):
+        """`dispatch.cache_route` for keras-hub's cache, on both sides of
+        `decode_block`: within one block, or with scores or dropout, the
+        cache is read whole after its write; past it a step reads its
+        slots up to its last token; never the prompt route (its mask and
+        scores span the slots). Ours, at the same calls: the prompt at
+        index 0, and keys computed from the entries (the latent cache,
+        expanded) are never read where they lie."""
+        _small_blocks(monkeypatch)  # 4 slots a block
+        spec = keras_mha.attention.AttentionSpec(scale=1.0)
+
+        def route(spec, num_slots, layout="pair", index=0, **kwargs):
+            return dispatch.cache_route(spec, 1, index, False, layout,
+                                        num_slots, **kwargs)
+
+        assert route(spec, 4) == dispatch.WHOLE_CACHE
+        assert route(spec, 5) == dispatch.SLOT_WRITE
+        for changed in (dict(return_weights=True), dict(dropout=0.5)):
+            assert route(spec.replace(**changed), 5) == dispatch.WHOLE_CACHE
+        assert route(spec, 5, "flagged") == dispatch.PROMPT
+        assert route(spec, 5, "flagged", index=3) == dispatch.SLOT_WRITE
+        assert route(spec, 5, "latent", index=3,
+                     computed=True) == dispatch.CONCATENATED
+
     @pytest.mark.parametrize("scores", [False, True], ids=["out", "scores"])
     @pytest.mark.parametrize("masked", [False, True], ids=["all", "mask"])
     def test_static_cache(self, rng, scores, masked):

@@ -567,7 +567,7 @@ def test_bench_features_table():
     console = Console(width=120, record=True)
     helpers = bench_features.Helpers(bench.runner, bench.time_alternately,
                                      bench._reason, bench._describe,
-                                     bench._w, bench._ms_text)
+                                     bench._window_text, bench._ms_text)
     console.print(bench_features.table(
         rows, {"batch": 1, "heads": 2, "key_dim": 4}, "forward", 3, helpers))
     text = console.export_text()
@@ -726,8 +726,8 @@ def test_test_runs_with_xlas_elementwise_emitters_where_it_compiles(
         env = testrun._env(backend, str(tmp_path), [backend])
         assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x " + (
             testrun.XLA_TEST_FLAG)
-    # torch's run starts the JAX children of the multi-device tests: XLA's
-    # defaults there.
+    # torch's session compiles nothing with XLA (the JAX children of the
+    # multi-device tests get the flag from `conftest.jax_child_env`).
     assert testrun._env("torch", str(tmp_path), ["torch"])["XLA_FLAGS"] == (
         "--xla_dump_to=/tmp/x")
     # A choice of emitters given stays.

@@ -172,7 +172,6 @@ class TestDecoding:
         from keras_mha.attention import decode
         from keras_mha.attention import decode_kernels as kernels
 
-        monkeypatch.setattr(decode, "IMPLEMENTATION", "native")
         monkeypatch.setitem(tuning.OVERRIDES, "decode_chunk", 2)
         monkeypatch.setitem(tuning.OVERRIDES, "decode_chunked_from", 4)
         calls = []
@@ -184,7 +183,8 @@ class TestDecoding:
         prompt_mask[0, :5] = False  # one real token after five pads
         full_mask = np.concatenate([prompt_mask, np.ones((1, 6), bool)], 1)
         layers = _stack(x, None, 2)
-        with torch.no_grad():  # as `predict` runs: nothing to differentiate
+        with torch.no_grad(), decode.force_implementation("native"):
+            # as `predict` runs: nothing to differentiate
             decoded, _ = _decode(layers, x, prompt_length=6,
                                  prompt_mask=prompt_mask)
         expected = _full(layers, x, mask=full_mask)
@@ -276,6 +276,34 @@ class TestDecoding:
             to_numpy(layer(x, x, use_causal_mask=True)),
             atol=1e-5,
         )
+
+
+def test_force_implementation(rng):
+    """`decode.force_implementation` holds the eager steps inside its
+    block, the innermost block first: the native route and the portable
+    loop give the same steps, a value it does not know is refused by
+    name, and the native route where the backend has none, at the step.
+    (On JAX the portable loop's eager run is left out, as in
+    `conftest._decode_implementations`.)"""
+    from keras_mha.attention import decode
+
+    with pytest.raises(ValueError, match="implementation='fast'"):
+        with decode.force_implementation("fast"):
+            pass
+    x = rng.normal(size=(2, 9, 8)).astype("float32")
+    layers = _stack(x, None, 2)
+    expected = _full(layers, x)
+    with decode.force_implementation(decode.PORTABLE):
+        with decode.force_implementation(decode.NATIVE):
+            if decode.native_available():
+                decoded, _ = _decode(layers, x, prompt_length=5)
+                assert_close(decoded, expected)
+            else:
+                with pytest.raises(ValueError, match="exists only on"):
+                    _decode(layers, x, prompt_length=5)
+        if BACKEND != "jax":
+            decoded, _ = _decode(layers, x, prompt_length=5)
+            assert_close(decoded, expected)
 
 
 class TestCacheErrors:

@@ -10,6 +10,7 @@ import pytest
 from conftest import BACKEND
 
 import keras_mha
+from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import decode
 from keras_mha.attention import dispatch
 from keras_mha.attention import latent as latent_lib
@@ -239,15 +240,15 @@ class TestDecoding:
             (BATCH, slots, 8), (BATCH, slots, 4), (BATCH, slots)
         ]
 
-    def test_portable_absorbed_steps(self, monkeypatch):
+    def test_portable_absorbed_steps(self):
         """The absorbed steps on the portable block loop (the test above
         runs the backends' native steps)."""
-        monkeypatch.setattr(decode, "IMPLEMENTATION", decode.PORTABLE)
         layer = make_latent(rotary_embedding=yarn())
         x, mask = inputs(), padding()
         expected, _ = reference(layer, x, use_causal_mask=True,
                                 query_mask=mask, value_mask=mask)
-        out, _ = _decode(layer, x, 4, "absorbed", mask)
+        with decode.force_implementation(decode.PORTABLE):
+            out, _ = _decode(layer, x, 4, "absorbed", mask)
         np.testing.assert_allclose(out[mask], expected[mask], atol=ATOL,
                                    rtol=ATOL)
 
@@ -264,6 +265,9 @@ class TestDecoding:
         _, new = layer(x[:, :1], x[:, :1], use_causal_mask=True,
                        cache=cache, cache_update_index=0)
         assert to_numpy(new[2])[:, 0].all()
+        assert cache_lib.is_in_place(new) == (in_place and BACKEND != "numpy")
+        if cache_lib.is_in_place(new):
+            assert type(new) is cache_lib.InPlaceLatentCache
         if not in_place:
             assert not to_numpy(cache[2]).any()
 

@@ -1,5 +1,6 @@
 """Correctness of the layer against the float64 reference and Keras's layer."""
 
+import dataclasses
 import itertools
 
 import keras
@@ -420,3 +421,55 @@ class TestBandedPath:
             models.append(model)
         for a, b in zip(*(m.get_weights() for m in models)):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+class TestSettings:
+    """`layer.settings`: the configuration as one frozen value, which the
+    properties, the config and the modules around the layer read."""
+
+    def test_one_frozen_value_resolved(self):
+        layer = keras_mha.MultiHeadAttention(
+            num_heads=4, key_dim=8, num_key_value_heads=2, sliding_window=5,
+            attention_chunk_size=3)
+        settings = layer.settings
+        assert (settings.value_dim, settings.num_key_value_heads) == (8, 2)
+        assert settings.scale == layer.scale == pytest.approx(8 ** -0.5)
+        assert settings.given_scale is None
+        assert layer.get_config()["scale"] is None
+        assert settings.rolling_slots == 3  # the chunk's, fewer than 5
+        assert layer.num_key_value_heads == settings.num_key_value_heads
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            settings.num_heads = 1
+        latent = keras_mha.MultiHeadLatentAttention(2, 8, 4, 4, 4)
+        assert latent.settings.attention_chunk_size is None
+        assert latent.settings.flash_attention is None
+        assert latent.settings.rolling_slots is None
+
+    def test_saved_weights_hold_nothing_of_it(self, tmp_path):
+        query = np.ones((1, 3, 8), "float32")
+        layer = keras_mha.MultiHeadAttention(num_heads=2, key_dim=4,
+                                             use_gate=True)
+        inputs = keras.Input((3, 8))
+        model = keras.Model(inputs, layer(inputs, inputs))
+        model(query)
+        model.save_weights(tmp_path / "m.weights.h5")
+        import h5py
+
+        with h5py.File(tmp_path / "m.weights.h5") as file:
+            paths = []
+            file.visit(paths.append)
+        assert not [p for p in paths if "settings" in p]
+        # Keras's paths, the gate's a private one as in Keras's layer.
+        assert "layers/multi_head_attention/_gate_dense/vars/0" in paths
+
+    def test_sublayers_by_name(self):
+        query = np.ones((1, 3, 8), "float32")
+        layer = keras_mha.MultiHeadAttention(num_heads=2, key_dim=4,
+                                             use_gate=True)
+        assert layer.sublayer("query") is None  # not built yet
+        layer(query, query)
+        assert layer.sublayer("query") is layer.query_dense
+        assert layer.sublayer("gate").name == "gate"
+        assert layer.sublayer("output") is layer.output_dense
+        with pytest.raises(ValueError, match="name='kv_a'"):
+            layer.sublayer("kv_a")

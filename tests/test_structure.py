@@ -255,6 +255,78 @@ def test_only_capabilities_kernels_and_the_command_line_name_backends():
     assert found == {}
 
 
+# ------------------------------------------------- other objects' privates
+
+# The library's reads of `x._name` where `x` is not `self` or `cls`, by
+# module and expression, each with its reason: the internals of Keras and
+# keras-hub (each behind one named function) and torch's private ops, none
+# with a public equivalent. Our layers' own state is read through
+# `layer.settings` (`keras_mha/settings.py`), `layer.sublayer(name)` and
+# public properties.
+ALLOWED_PRIVATE_READS = {
+    ("keras_mha/projections.py", "layer._flatten_layers"):
+        "Keras: a layer's nested sublayers, as `Model.quantize` lists them",
+    ("keras_mha/projections.py", "layer._dtype_policy"):
+        "Keras: the setter would file a policy map inside the layer's own",
+    ("keras_mha/projections.py", "layer._track_variables"):
+        "Keras: torch's parameters follow quantized variables again",
+    ("keras_mha/hub.py", "block._tracker"):
+        "Keras: a built block's tracker must forget the replaced layer",
+    ("keras_mha/hub.py", "block._layers"):
+        "Keras: a built block's sublayers must lose the replaced layer",
+    ("keras_mha/hub.py", "attention._inv_norm_factor"):
+        "keras-hub: Llama's attention keeps its scale under no public name",
+    ("keras_mha/attention/decode_kernels.py",
+     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"):
+        "torch: the CPU flash kernel, with its log-sum-exp",
+    ("keras_mha/attention/kernels.py",
+     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"):
+        "torch: the CPU flash kernel, with its log-sum-exp",
+    ("keras_mha/attention/kernels.py",
+     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward"):
+        "torch: the CPU flash kernel's backward",
+}
+
+
+def private_reads(source):
+    """The expressions `x._name` (not dunders) of `source` whose `x` is not
+    the name `self` or `cls`."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name)
+                         and node.value.id in ("self", "cls"))):
+            found.add(ast.unparse(node))
+    return found
+
+
+def _library_private_reads():
+    return {
+        (MODULES[name].relative_to(ROOT).as_posix(), expression)
+        for name in MODULES
+        for expression in private_reads(
+            MODULES[name].read_text(encoding="utf-8"))
+    }
+
+
+def test_the_reader_finds_private_reads():
+    assert private_reads("layer._num_heads\n") == {"layer._num_heads"}
+    assert private_reads("f(x)._y.z\n") == {"f(x)._y"}
+    assert private_reads("self._a + cls._b + x.__class__ + x.y\n") == set()
+
+
+def test_no_module_reads_another_objects_private_attributes():
+    # A module reads a layer's configuration from `layer.settings`, one
+    # frozen value, never from the layer's private attributes.
+    found = _library_private_reads() - set(ALLOWED_PRIVATE_READS)
+    assert sorted(found) == []
+
+
+def test_every_allowed_private_read_still_occurs():
+    assert sorted(set(ALLOWED_PRIVATE_READS) - _library_private_reads()) == []
+
+
 # Keras first, as a program that loads a saved model imports them: the
 # package registers its layers as it is imported, before any name is read.
 _USE_THE_LAYER = """

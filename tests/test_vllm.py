@@ -36,6 +36,7 @@ STEPS = [
     [("a", 6, 1), ("b", 4, 1), ("c", 4, 2)],  # decodes and a chunk
 ]
 TABLES = {"a": [0, 5], "b": [3, 1], "c": [7, 2]}  # pages, not in order
+SPAN = 2 * PAGE  # the slots of a sequence's pages
 
 
 class PagedAttention:
@@ -59,21 +60,27 @@ class PagedAttention:
             pages = ops.slice_update(pages, [page, position % PAGE, 0, 0, 0],
                                      ops.cast(update, pages.dtype))
         flat = ops.reshape(pages, (-1, 2, heads, size))
-        outputs = []
-        for t, (request, position) in enumerate(self.tokens):
-            slots = [TABLES[request][j // PAGE] * PAGE + j % PAGE
-                     for j in range(position + 1)
-                     if sliding_window is None or j > position - sliding_window]
-            kv = ops.take(flat, np.array(slots), axis=0)  # (L, 2, K, H)
-            query = ops.reshape(q[t], (heads, num_heads // heads, size))
-            logits = ops.einsum("kgh,lkh->kgl", query, kv[:, 0]) * scale
-            if soft_cap is not None:
-                logits = soft_cap * ops.tanh(logits / soft_cap)
-            weights = ops.softmax(ops.cast(logits, "float32"), axis=-1)
-            out = ops.einsum("kgl,lkh->kgh", ops.cast(weights, kv.dtype),
-                             kv[:, 1])
-            outputs.append(ops.reshape(out, (num_heads * size,)))
-        return pages, ops.stack(outputs)
+        # Each token reads its sequence's pages whole, the same shape for
+        # every token; the slots past its position or out of its window
+        # weigh nothing.
+        span = np.arange(SPAN)
+        slots = np.array([[TABLES[request][j // PAGE] * PAGE + j % PAGE
+                           for j in span] for request, _ in self.tokens])
+        positions = np.array([p for _, p in self.tokens])[:, None]
+        valid = span <= positions
+        if sliding_window is not None:
+            valid &= span > positions - sliding_window
+        kv = ops.take(flat, slots, axis=0)  # (T, S, 2, K, H)
+        query = ops.reshape(q, (count, heads, num_heads // heads, size))
+        logits = ops.einsum("tkgh,tskh->tkgs", query, kv[:, :, 0]) * scale
+        if soft_cap is not None:
+            logits = soft_cap * ops.tanh(logits / soft_cap)
+        logits = ops.where(valid[:, None, None, :],
+                           ops.cast(logits, "float32"), -1e9)
+        weights = ops.softmax(logits, axis=-1)
+        out = ops.einsum("tkgs,tskh->tkgh", ops.cast(weights, kv.dtype),
+                         kv[:, :, 1])
+        return pages, ops.reshape(out, (count, num_heads * size))
 
 
 def _requests():

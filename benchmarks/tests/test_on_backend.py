@@ -19,6 +19,7 @@ import keras
 import pytest
 
 import keras_mha
+from benchmarks import default_step
 from benchmarks import fit_step
 from benchmarks import hub
 from benchmarks import latent
@@ -521,3 +522,15 @@ def test_latent_reports_the_cache_steps_and_floor():
     for ratio in ("expanded / absorbed step", "absorbed step / floor",
                   "(absorbed step - fixed cost) / floor"):
         assert rows[ratio].endswith("x")
+
+
+# ------------------------------------------------------------ default step
+
+
+def test_default_step_counts_faults_and_times_each_step():
+    """`python -m benchmarks.default_step --small`'s steps, in this
+    process: a time and a page count for each, the collector run before
+    every fourth."""
+    results = default_step.steps(default_step.SMALL, 4)
+    assert len(results) == default_step.SMALL["steps"]
+    assert all(ms > 0 and faults >= 0 for ms, faults in results)

@@ -11,9 +11,12 @@ masks from the spec with the position rule of `masks.py`:
 - `blocked.py`: causal self-attention in O(T) memory (an online softmax
   over key blocks, FlashAttention-2's recurrence);
 - `triangular.py`: causal self-attention without the upper triangle;
-- `cache.py`: the key/value cache that decoding reads and writes, and
-  `decode.py`: attention over the cache itself, reading only what a step
-  sees (`attend_cached` picks between them and the paths above);
+- `cache.py`: the key/value cache that decoding reads and writes,
+  `cache_layouts.py` its layouts (ours, keras-hub's, the latent cache's)
+  a run of slots at a time, and `decode.py`: attention over the cache
+  itself, reading only what a step sees (`attend_cached`, the one cached
+  call, takes any layout; `dispatch.cache_route` picks between them and
+  the paths above);
 - `kernels.py`: backend kernels behind the portable paths' interfaces,
   `cache_kernels.py` the cache's in-place writes and `decode_kernels.py`
   the eager decode step's (torch's fused kernel over the slots; on
@@ -28,7 +31,11 @@ masks from the spec with the position rule of `masks.py`:
 Nothing here imports the layer or the command line.
 """
 
+from keras import ops
+
 from keras_mha.attention import cache as cache_lib
+from keras_mha.attention import cache_layouts
+from keras_mha.attention import decode
 from keras_mha.attention import dispatch
 from keras_mha.attention import sharded
 from keras_mha.attention import tuning
@@ -84,64 +91,128 @@ def attend(query, key, value, spec):
     return triangular_attention(query, key, value, spec), None
 
 
-def attend_cached(query, key, value, spec, cache, index, rolling):
+def attend_cached(query, key, value, spec, cache, index, rolling,
+                  layout=cache_layouts.FLAGGED, heads=None):
     """Attention of a decoding call, and the cache after its write.
 
-    Three routes, all with the same numbers (`dispatch.cache_route`);
-    under `keras_mha.ContextParallel` a cache whose slots are sharded
-    takes `in_place` as `sharded.cached_decode` (each device reads its own
-    slots):
+    The one cached call of every layer and cache layout (`cache_layouts`):
+    ours, keras-hub's one tensor (`CachedMultiHeadAttention`) and the
+    latent cache (`MultiHeadLatentAttention`). Four routes, all with the
+    same numbers, chosen by `dispatch.cache_route` alone; the algorithms
+    by `dispatch.choose_path`. Under `keras_mha.ContextParallel` a cache
+    whose slots are sharded takes `slot_write` as `sharded.cached_decode`
+    (each device reads its own slots):
 
     - `"prompt"`: a Python index 0 (an empty cache): the tokens attend to
       themselves on any path (`banded` for a window, the causal kernels
       otherwise), and are written.
-    - `"in_place"`: the tokens are written first, then `decode_attention`
-      reads the cache itself up to the last position (a full cache) or
-      its `w` slots (a rolling cache, one token).
+    - `"slot_write"`: the tokens are written first, then
+      `decode.decode_attention` reads the cache itself up to the last new
+      token (a full cache) or its `w` slots (a rolling cache, one token).
     - `"concatenated"`: the cache's old slots followed by the new tokens
       on the explicit or fused path (returned weights, dropout, several
-      tokens in a rolling cache).
+      tokens in a rolling cache, keys computed by `heads`).
+    - `"whole_cache"`: keras-hub's cache, written, then read whole on the
+      usual paths, the slots after the new tokens hidden (returned
+      weights, dropout, a cache of one block).
 
     Args:
         query: `(B, T, N, H)`.
-        key: the new tokens' keys `(B, T, K, H)`.
-        value: their values `(B, T, K, V)`.
+        key: the new tokens' keys `(B, L, K, H)` (`L = T` but in
+            keras-hub's cache); the latent cache's latents `(B, T, R)`.
+        value: their values `(B, L, K, V)`; the latent cache's rope keys
+            `(B, T, P)`.
         spec: the call's spec; its `key_mask` marks the new real tokens.
-        cache: `(keys, values, valid)` (see `cache.py`).
+        cache: in `layout`, as the caller holds it (an in-place cache
+            too).
         index: the position of the first new token (int or tensor).
         rolling: whether slot = position mod L.
+        layout: `"flagged"` (ours), `"pair"` (keras-hub's) or `"latent"`.
+        heads: `None` where the cache's entries are read as its keys and
+            values (the latent cache as one shared head,
+            `cache_layouts.latent_heads`); else a function of the entries
+            (the cache's tensors but `valid`, `(B, S, ...)`) returning the
+            keys `(B, S, K, H)` and values `(B, S, K, V)`: the latent cache
+            up-projected, which is never read where it lies.
 
     Returns:
-        `(output, weights, new_cache)`; weights `(B, N, T, L + T)` (the
-        old slots, then the new tokens) when `spec.return_weights`.
+        `(output, weights, new_cache)`: `(B, T, N, V)`; when
+        `spec.return_weights`, the weights `(B, N, T, L + T)` (the old
+        slots, then the new tokens), keras-hub's `(B, N, T, L)` (its slots
+        after the write); the cache after the write, of the kind given.
     """
-    route = dispatch.cache_route(spec, query.shape[1], index, rolling)
-    if route == dispatch.IN_PLACE and sharded.shards_cache(
+    computed = heads is not None
+    if heads is None:
+        heads = cache_layouts.entry_heads(layout, query.dtype)
+    num_slots = cache_layouts.num_slots(cache_layouts.tensors(cache, layout),
+                                        layout)
+    route = dispatch.cache_route(spec, query.shape[1], index, rolling,
+                                 layout, num_slots, computed)
+    if route == dispatch.SLOT_WRITE and sharded.shards_cache(
         spec.sharding, cache
     ):
         output, new_cache = sharded.cached_decode(
-            query, (key, value), spec, cache, index, rolling
+            query, (key, value), spec, cache, index, rolling, heads=heads
         )
         return output, None, new_cache
     if route != dispatch.PROMPT:  # the rest reads the whole cache
         spec = spec.replace(sharding=None)
     if route == dispatch.PROMPT:
-        output, weights = attend(query, key, value, spec)
-        new_cache = cache_lib.write(cache, key, value, spec.key_mask, 0,
-                                    rolling)
+        output, weights = attend(query, *_as_heads(heads, key, value), spec)
+        new_cache = cache_layouts.write(cache, key, value, spec.key_mask, 0,
+                                        rolling, layout)[0]
         return output, weights, new_cache
-    if route == dispatch.IN_PLACE:
-        new_cache = cache_lib.write(cache, key, value, spec.key_mask, index,
-                                    rolling)
-        spec = spec.replace(query_offset=index, key_mask=None)
-        return decode_attention(query, new_cache, spec, rolling), None, \
-            new_cache
+    if route == dispatch.SLOT_WRITE:
+        return _slot_write(query, key, value, spec, cache, index, rolling,
+                           layout)
+    if route == dispatch.WHOLE_CACHE:
+        return _whole_cache(query, key, value, spec, cache, index)
     keys, values, keys_valid, key_positions, new_cache = (
         cache_lib.attend_inputs(cache, key, value, spec.key_mask, index,
                                 rolling)
     )
     spec = spec.replace(
         query_offset=index, key_positions=key_positions, key_mask=keys_valid
+    )
+    output, weights = attend(query, *_as_heads(heads, keys, values), spec)
+    return output, weights, new_cache
+
+
+def _as_heads(heads, key, value):
+    """The keys and values of a cache's entries (`attend_cached`)."""
+    return (key, value) if heads is None else heads(key, value)
+
+
+def _slot_write(query, key, value, spec, cache, index, rolling, layout):
+    """`attend_cached`'s `slot_write` route: the tokens written into their
+    slots, then the cache read where it lies, up to the last new token."""
+    new_cache = cache_layouts.write(cache, key, value, spec.key_mask, index,
+                                    rolling, layout)[0]
+    limit = None  # the last query's position + 1 where `L = T`
+    if key.shape[1] is None or key.shape[1] != query.shape[1]:
+        limit = ops.cast(index, "int32") + ops.shape(key)[1]
+    spec = spec.replace(query_offset=index, key_mask=None)
+    output = decode.decode_attention(
+        query, cache_layouts.tensors(new_cache, layout), spec, rolling,
+        layout=layout, limit=limit,
+    )
+    return output, None, new_cache
+
+
+def _whole_cache(query, key, value, spec, cache, index):
+    """`attend_cached`'s `whole_cache` route: keras-hub's cache written,
+    then read whole, the slots at or after the last new token hidden (it
+    keeps no flags: they were never written)."""
+    new_cache, keys, values = cache_layouts.write(
+        cache, key, value, None, index, False, cache_layouts.PAIR,
+        halves=True,
+    )
+    keys = ops.cast(keys, query.dtype)  # (B, L, K, H)
+    values = ops.cast(values, query.dtype)  # (B, L, K, V)
+    limit = ops.cast(index, "int32") + ops.shape(key)[1]
+    spec = spec.replace(
+        query_offset=index, whole_cache=True,
+        key_mask=cache_layouts.written_below(ops.shape(keys)[1], limit),
     )
     output, weights = attend(query, keys, values, spec)
     return output, weights, new_cache

@@ -23,7 +23,7 @@ padding and masked. The heads sit in front of the blocks so both products
 are plain batched matrix products, and grouped query heads ride along as
 extra rows (`G`), so keys and values are never repeated per group.
 
-The portable path (`keras.ops` only) runs the blocks a chunk of `C` blocks
+The portable path (`keras.ops` only) runs the blocks a chunk of `M` blocks
 at a time in a loop, so the forward pass holds the scores of one chunk
 (about `banded_chunk_bytes`, `tuning.py`), not of the whole band; the native path hands the
 blocks to torch's fused attention kernel (`kernels.py`). All shapes follow
@@ -149,7 +149,7 @@ def banded_attention(
         spec.has_token_masks
         or s_len == 0
         or band.query_offset + band.padded_len > s_len + band.window[0]
-        or (band.attention_chunk is not None
+        or (band.attention_chunk_size is not None
             and band.query_offset + band.padded_len > s_len)
     ):
         mask, has_key = masks_lib.open_empty_rows(mask)  # (B|1, n, b, 1)
@@ -186,11 +186,11 @@ class _Band(
             "s_len",  # S
             "window",  # (left, right): the reach of the window and the chunk
             "causal",
-            "attention_chunk",  # None or C, the spec's chunk
+            "attention_chunk_size",  # None or C, the spec's chunk size
             "query_offset",
             "block",  # b
-            "num_chunks",  # c
-            "chunk",  # C, query blocks per chunk
+            "num_chunks",  # c, chunks of the loop
+            "chunk_blocks",  # M, query blocks per chunk of the loop
             "span_blocks",  # L + 1 + R
             "frame_start",
         ],
@@ -204,8 +204,8 @@ class _Band(
     """
 
     @property
-    def num_blocks(self):  # n = c·C
-        return self.num_chunks * self.chunk
+    def num_blocks(self):  # n = c·M
+        return self.num_chunks * self.chunk_blocks
 
     @property
     def padded_len(self):  # n·b
@@ -250,23 +250,24 @@ def _band(t_len, s_len, spec, block_size, score_bytes):
     span_blocks = before + 1 + after
     num_blocks = -(-t_len // block)
     if score_bytes is None:
-        chunk = num_blocks
+        chunk_blocks = num_blocks
     else:
         block_bytes = score_bytes * block * span_blocks * block
         chunk_bytes = tuning.value("banded_chunk_bytes")
-        chunk = min(num_blocks, max(1, chunk_bytes // block_bytes))
-    num_chunks = -(-num_blocks // chunk)
-    chunk = -(-num_blocks // num_chunks)  # pads fewer than `num_chunks` blocks
+        chunk_blocks = min(num_blocks, max(1, chunk_bytes // block_bytes))
+    num_chunks = -(-num_blocks // chunk_blocks)
+    # Pads fewer than `num_chunks` blocks.
+    chunk_blocks = -(-num_blocks // num_chunks)
     return _Band(
         t_len=t_len,
         s_len=s_len,
         window=(left, right),
         causal=spec.causal,
-        attention_chunk=spec.chunk,
+        attention_chunk_size=spec.chunk,
         query_offset=offset,
         block=block,
         num_chunks=num_chunks,
-        chunk=chunk,
+        chunk_blocks=chunk_blocks,
         span_blocks=span_blocks,
         frame_start=offset - before * block,
     )
@@ -274,12 +275,13 @@ def _band(t_len, s_len, spec, block_size, score_bytes):
 
 def _keep_mask(query, key, band, rate, seed):
     """Which attention weights survive dropout, in the portable core's
-    layout `(c, B, K, C, b, G, span)`: drawn once, outside the loop, so the
+    layout `(c, B, K, M, b, G, span)`: drawn once, outside the loop, so the
     loop stays free of random state (`jax.lax.scan`, `tf.while_loop`)."""
     batch = ops.shape(query)[0]
     num_kv = key.shape[2]
     groups = query.shape[2] // num_kv
-    shape = (band.num_chunks, batch, num_kv, band.chunk, band.block, groups,
+    shape = (band.num_chunks, batch, num_kv, band.chunk_blocks, band.block,
+             groups,
              band.span)
     draws = keras.random.uniform(shape, dtype=query.dtype, seed=seed)
     return ops.greater_equal(draws, ops.cast(rate, draws.dtype))
@@ -313,33 +315,34 @@ def _portable_core(query, key, value, mask, spec, band, keep=None):
     num_heads, head = query.shape[2], query.shape[3]
     num_kv, value_head = key.shape[2], value.shape[3]
     groups = num_heads // num_kv
-    c, chunk, b = band.num_chunks, band.chunk, band.block
+    c, chunk_blocks, b = band.num_chunks, band.chunk_blocks, band.block
     q = ops.multiply(query, ops.cast(spec.scale, query.dtype))
-    q = ops.reshape(q, (batch, c, chunk, b, num_kv, groups, head))
-    q = ops.transpose(q, (1, 0, 4, 2, 3, 5, 6))  # (c, B, K, C, b, G, H)
+    q = ops.reshape(q, (batch, c, chunk_blocks, b, num_kv, groups, head))
+    q = ops.transpose(q, (1, 0, 4, 2, 3, 5, 6))  # (c, B, K, M, b, G, H)
     # The grouped heads ride along as rows of both products, `b·G` rows
     # per block: no axis of size 1 (B, G) sits between XLA's products,
     # which would otherwise copy the scores to change their layout.
-    rows = (c, -1, num_kv, chunk, b * groups)
-    q = ops.reshape(q, rows + (head,))  # (c, B, K, C, b·G, H)
-    k = _chunk_windows(_frame(key, band), band)  # (c, B, K, C+L+R, b, H)
-    v = _chunk_windows(_frame(value, band), band)  # (c, B, K, C+L+R, b, V)
+    rows = (c, -1, num_kv, chunk_blocks, b * groups)
+    q = ops.reshape(q, rows + (head,))  # (c, B, K, M, b·G, H)
+    k = _chunk_windows(_frame(key, band), band)  # (c, B, K, M+L+R, b, H)
+    v = _chunk_windows(_frame(value, band), band)  # (c, B, K, M+L+R, b, V)
     # The mask as an additive bias (0 or MASKED_LOGIT), built once: a sum,
     # unlike a select, lets XLA's CPU backend (JAX) fuse the two products
     # and the softmax between them into one kernel that never writes the
     # scores (a select splits them into three, with the scores written
     # between). The sum is the select's value: `s + MASKED_LOGIT` rounds to
     # MASKED_LOGIT for any logit below 1e22.
-    m = ops.where(
+    mask_bias = ops.where(
         mask, ops.zeros((), q.dtype), ops.cast(logits.MASKED_LOGIT, q.dtype)
     )
-    m = ops.reshape(m, (-1, c, chunk, b, band.span))
+    mask_bias = ops.reshape(mask_bias, (-1, c, chunk_blocks, b, band.span))
     if groups > 1:
-        m = ops.repeat(m, groups, axis=3)  # row r·G + g reads row r
-    m = ops.transpose(m, (1, 0, 2, 3, 4))[:, :, None]
-    # m: (c, B|1, 1, C, b·G, span)
+        # Row r·G + g reads row r.
+        mask_bias = ops.repeat(mask_bias, groups, axis=3)
+    mask_bias = ops.transpose(mask_bias, (1, 0, 2, 3, 4))[:, :, None]
+    # mask_bias: (c, B|1, 1, M, b·G, span)
 
-    inputs = (q, k, v, m)
+    inputs = (q, k, v, mask_bias)
     if keep is not None:
         inputs += (ops.reshape(keep, rows + (band.span,)),)
     # What every chunk reads whole: ALiBi's term and the sinks (zeros when
@@ -357,9 +360,9 @@ def _portable_core(query, key, value, mask, spec, band, keep=None):
         out = ops.expand_dims(out, 0)
     else:  # `_chunk_attention` keeps one `attend` per geometry
         out = capabilities.loop_over_blocks(attend, constants, inputs)
-    # out: (c, B, K, C, b·G, V)
+    # out: (c, B, K, M, b·G, V)
     out = ops.reshape(out, rows[:4] + (b, groups, value_head))
-    out = ops.transpose(out, (1, 0, 3, 4, 2, 5, 6))  # (B, c, C, b, K, G, V)
+    out = ops.transpose(out, (1, 0, 3, 4, 2, 5, 6))  # (B, c, M, b, K, G, V)
     return ops.reshape(out, (batch, band.padded_len, num_heads, value_head))
 
 
@@ -399,41 +402,41 @@ def _chunk_attention(band, rate, soft_cap, use_alibi, use_sinks):
     """
 
     def attend(carry, inputs):
-        q_c, k_c, v_c, m_c = inputs[:4]
+        q_c, k_c, v_c, mask_bias_c = inputs[:4]
         alibi, sinks = carry
-        k_c = _chunk_spans(k_c, band)  # (B, K, C, span, H)
-        v_c = _chunk_spans(v_c, band)  # (B, K, C, span, V)
+        k_c = _chunk_spans(k_c, band)  # (B, K, M, span, H)
+        v_c = _chunk_spans(v_c, band)  # (B, K, M, span, V)
         scores = ops.einsum("bkcrh,bkcsh->bkcrs", q_c, k_c)
-        # scores: (B, K, C, b·G, span)
+        # scores: (B, K, M, b·G, span)
         scores = logits.soft_cap(scores, soft_cap)
         if use_alibi:
             scores = ops.add(scores, alibi)
-        scores = ops.add(scores, m_c)
+        scores = ops.add(scores, mask_bias_c)
         # The softmax with its division deferred to the output, `(b·G, V)`
         # per block instead of `(b·G, span)`. A row with no allowed key is
         # uniform (or all on its sink) here; the caller zeroes it.
         weights, total = logits.exp_and_sum(
             scores, sinks if use_sinks else None
-        )  # total: (B, K, C, b·G, 1)
+        )  # total: (B, K, M, b·G, 1)
         if rate:
-            kept = ops.cast(inputs[4], weights.dtype)  # (B, K, C, b·G, span)
+            kept = ops.cast(inputs[4], weights.dtype)  # (B, K, M, b·G, span)
             weights = ops.multiply(weights, ops.multiply(kept, 1.0 / (1.0 - rate)))
         out = ops.einsum("bkcrs,bkcsv->bkcrv", weights, v_c)
         out = ops.divide(out, total)
-        return carry, out  # (B, K, C, b·G, V)
+        return carry, out  # (B, K, M, b·G, V)
 
     return attend
 
 
 def _chunk_windows(x, band):
-    """Frame `(B, F, K, X)` -> `(c, B, K, C + L + R, b, X)`.
+    """Frame `(B, F, K, X)` -> `(c, B, K, M + L + R, b, X)`.
 
-    Chunk `j` reads frame blocks `j·C .. j·C + C + L + R - 1`; neighbouring
+    Chunk `j` reads frame blocks `j·M .. j·M + M + L + R - 1`; neighbouring
     windows share `L + R` blocks, which are copied into both.
     """
     batch = ops.shape(x)[0]
     num_kv, features = x.shape[2], x.shape[3]
-    width = band.chunk + band.span_blocks - 1
+    width = band.chunk_blocks + band.span_blocks - 1
     x = ops.reshape(
         x, (batch, band.frame_blocks, band.block, num_kv, features)
     )  # (B, n + L + R, b, K, X)
@@ -441,22 +444,22 @@ def _chunk_windows(x, band):
         x = ops.expand_dims(x, 1)  # the whole frame: no gather to fuse
     else:
         starts = [
-            [j * band.chunk + i for i in range(width)]
+            [j * band.chunk_blocks + i for i in range(width)]
             for j in range(band.num_chunks)
         ]
         x = ops.take(x, ops.convert_to_tensor(starts, "int32"), axis=1)
-    # x: (B, c, C + L + R, b, K, X)
+    # x: (B, c, M + L + R, b, K, X)
     return ops.transpose(x, (1, 0, 4, 2, 3, 5))
 
 
 def _chunk_spans(x, band):
-    """`(B, K, C + L + R, b, X)` -> spans `(B, K, C, span, X)`.
+    """`(B, K, M + L + R, b, X)` -> spans `(B, K, M, span, X)`.
 
     Span `i` is blocks `i .. i + L + R`: each key block is copied into the
     `L + 1 + R` spans that read it.
     """
-    chunk = band.chunk
-    shifted = [x[:, :, d : d + chunk] for d in range(band.span_blocks)]
+    chunk_blocks = band.chunk_blocks
+    shifted = [x[:, :, d : d + chunk_blocks] for d in range(band.span_blocks)]
     if len(shifted) == 1:
         return shifted[0]
     return ops.concatenate(shifted, axis=3)
@@ -487,12 +490,12 @@ def _band_mask(band, spec):
         ops.less(key_positions, band.s_len),
     )  # (n, 1, span)
     mask = ops.logical_and(mask, in_range)  # (n, b, span)
-    if band.attention_chunk is not None:
+    if band.attention_chunk_size is not None:
         # Chunks are not translation invariant: absolute positions.
         rows = ops.arange(band.padded_len, dtype="int32") + band.query_offset
         mask = ops.logical_and(mask, masks_lib.position_mask(
             ops.reshape(rows, (n, b, 1)), key_positions, False, None,
-            band.attention_chunk,
+            band.attention_chunk_size,
         ))
     mask = mask[None]  # (1, n, b, span)
     if query_mask is not None:

@@ -1,15 +1,15 @@
 """The blocked path: causal self-attention in O(T) memory.
 
 FlashAttention-2's recurrence in `keras.ops`. Queries and keys are cut into
-`n` blocks of `b` positions. Query block `i` reads key blocks `0 .. i`
-with an online softmax (a running row maximum `m`, denominator `l` and
-weighted sum), so of the `(T, T)` scores only one `(b, b)` block per head
-exists at a time, and the blocks above the diagonal are never computed.
-Only the diagonal block needs the causal mask. With chunks of `C`
-(`spec.chunk`), query block `i` starts at the key block of its chunk's
-first position instead of 0, and key block `j` is read back by the query
-blocks up to its chunk's end: O(T·C) blocks in all, the chunks' boundaries
-masked inside the blocks they cut.
+`n` blocks of `b` positions. Query block `i` reads key blocks `0 .. i` with
+an online softmax (a running row maximum `top`, sum of exponentials `total`
+and weighted sum `accumulated`), so of the `(T, T)` scores only one
+`(b, b)` block per head exists at a time, and the blocks above the diagonal
+are never computed. Only the diagonal block needs the causal mask. With chunks
+of `C` (`spec.chunk`), query block `i` starts at the key block of its
+chunk's first position instead of 0, and key block `j` is read back by the
+query blocks up to its chunk's end: O(T·C) blocks in all, the chunks'
+boundaries masked inside the blocks they cut.
 
     query blocks   (n, B, K, b·G, H)    grouped heads ride along as rows
     key blocks     (n, B, K, b, H)
@@ -352,16 +352,16 @@ def _forward_body(geometry):
         i, q_i, k_i, v_i, rows, keys_i = x
 
         def update(state, k_j, v_j, j, keys_j, diagonal):
-            m, l, acc = state
+            top, total, accumulated = state
             s, _ = _scores(geometry, q_i, k_j, i, j, rows, keys_j, diagonal)
-            m_new = ops.maximum(m, ops.amax(s, axis=-1, keepdims=True))
-            correction = ops.exp(ops.subtract(m, m_new))
-            p = ops.exp(ops.subtract(s, m_new))  # (B, K, b·G, b)
-            l = ops.add(ops.multiply(l, correction),
-                        ops.sum(p, axis=-1, keepdims=True))
-            acc = ops.add(ops.multiply(acc, correction),
-                          ops.einsum("bkrs,bksv->bkrv", p, v_j))
-            return m_new, l, acc
+            new_top = ops.maximum(top, ops.amax(s, axis=-1, keepdims=True))
+            correction = ops.exp(ops.subtract(top, new_top))
+            p = ops.exp(ops.subtract(s, new_top))  # (B, K, b·G, b)
+            total = ops.add(ops.multiply(total, correction),
+                            ops.sum(p, axis=-1, keepdims=True))
+            accumulated = ops.add(ops.multiply(accumulated, correction),
+                                  ops.einsum("bkrs,bksv->bkrv", p, v_j))
+            return new_top, total, accumulated
 
         stats = ops.shape(q_i)[:-1] + (1,)  # (B, K, b·G, 1)
         state = (
@@ -370,7 +370,7 @@ def _forward_body(geometry):
             ops.zeros(ops.shape(q_i)[:-1] + (v.shape[-1],), q_i.dtype),
         )
         state = update(state, k_i, v_i, i, keys_i, True)
-        m, l, acc = ops.fori_loop(
+        top, total, accumulated = ops.fori_loop(
             _first_key_block(geometry, i), i,
             lambda j, state: update(state, _at(k, j), _at(v, j), j,
                                     _pick(keys_all, j), False),
@@ -378,15 +378,15 @@ def _forward_body(geometry):
         )
         # Masked logits are MASKED_LOGIT: a row whose maximum is still that
         # saw no key.
-        has_key = ops.greater(m, logits.MASKED_LOGIT / 2)
+        has_key = ops.greater(top, logits.MASKED_LOGIT / 2)
         if geometry.use_sinks:
-            m, l, acc = logits.fold_sink(
-                m, l, acc, _row_values(sinks, geometry.block)
+            top, total, accumulated = logits.fold_sink(
+                top, total, accumulated, _row_values(sinks, geometry.block)
             )
-        out = ops.divide(acc, l)
+        out = ops.divide(accumulated, total)
         if _has_token_masks(geometry):
             out = ops.where(has_key, out, ops.zeros_like(out))
-        return constants, (out, ops.add(m, ops.log(l)), has_key)
+        return constants, (out, ops.add(top, ops.log(total)), has_key)
 
     return body
 

@@ -17,21 +17,23 @@ from the write index alone; nothing else is stored.
 Ownership: the caller owns the cache it passes. By default a write is
 functional: it returns new tensors and leaves the ones it was given as
 they were (readable on JAX, unchanged on every backend), as keras-hub's
-layer does. A cache made with
-`in_place=True` (`zeros`, `mark_in_place`) is the layer's to update: its
-tensors are registered here, by identity (weak references: nothing is
-kept alive), and an eager write touches the new slots only, in the
-buffers themselves (`cache_kernels.write_slots`: torch, eager JAX, eager
-TensorFlow); the tensors it returns are registered in turn, so the opt-in
-follows the cache from call to call. A functional eager write on the CPU
-(torch, JAX) copies into recycled memory (`cache_kernels.copy_slots`).
-Traced writes (`jax.jit`, `tf.function`) are functional in both modes; XLA
-reuses a donated buffer. `decode.py` reads the cache a block of slots at a
-time, each block one contiguous run.
+layer does. A cache made with `in_place=True` (`zeros`, `mark_in_place`)
+is the layer's to update, and the value says so itself: it is an
+`InPlaceCache` (`InPlaceLatentCache`, or `InPlacePairCache` around
+keras-hub's one tensor), a named tuple of the same tensors. An eager write
+into one touches the new slots only, in the buffers themselves
+(`cache_kernels.write_slots`: torch, eager JAX, eager TensorFlow), and
+returns a cache of the same type, so the opt-in follows the cache from
+call to call. Nothing is recorded anywhere: a plain tuple of the same
+tensors is the caller's, and its writes are functional. Named tuples are
+pytrees to `keras.tree`, `jax.jit`, `tf.function` and `torch.compile`, so
+the type survives a layer's call and a compiled step; traced writes stay
+functional in both modes (XLA reuses a donated buffer). `decode.py` reads
+the cache a block of slots at a time, each block one contiguous run.
 """
 
 import numbers
-import weakref
+import typing
 
 from keras import ops
 
@@ -78,39 +80,67 @@ def zeros(batch_size, num_slots, num_kv_heads, key_dim, value_dim, dtype,
     return mark_in_place(cache) if in_place else cache
 
 
-# id(tensor) -> a weak reference to it: the tensors of in-place caches.
-_IN_PLACE = {}
+class InPlaceCache(typing.NamedTuple):
+    """`(keys, values, valid)` that calls may write in place (see the
+    module's docstring); `tuple(cache)` is the same tensors, the
+    caller's."""
+
+    keys: typing.Any
+    values: typing.Any
+    valid: typing.Any
 
 
-def mark_in_place(cache):
-    """Registers the tensors of `cache` (a tensor or a tuple of tensors) as
-    the layer's to write in place; returns `cache`. Traced tensors, and
-    tensors no in-place kernel serves (NumPy, torch with gradients), are
-    left as they are: their writes stay functional."""
-    for tensor in cache if isinstance(cache, (tuple, list)) else (cache,):
-        if not cache_kernels.can_write_slots(tensor):
-            continue
-        key = id(tensor)
-        _IN_PLACE[key] = weakref.ref(tensor, lambda _, key=key: _forget(key))
-    return cache
+class InPlaceLatentCache(typing.NamedTuple):
+    """A latent cache `(latents, rope_keys, valid)` that calls may write in
+    place (`keras_mha.attention.latent`)."""
+
+    latents: typing.Any
+    rope_keys: typing.Any
+    valid: typing.Any
 
 
-def _forget(key):
-    _IN_PLACE.pop(key, None)
+class InPlacePairCache(typing.NamedTuple):
+    """keras-hub's one `(B, 2, S, K, H)` cache tensor, which calls may
+    write in place; `cache.keys_and_values` is the tensor."""
+
+    keys_and_values: typing.Any
+
+
+_IN_PLACE_TYPES = (InPlaceCache, InPlaceLatentCache, InPlacePairCache)
+
+
+def mark_in_place(cache, kind=None):
+    """`cache` (a tensor, or a tuple of tensors) as a cache calls may write
+    in place: the same tensors in `kind` (an `InPlace*Cache` type; by
+    default `InPlacePairCache` for a tensor, `InPlaceCache` for a tuple).
+    The tensors are not touched. A cache whose tensors no in-place kernel
+    serves (NumPy, torch with gradients, traced tensors) comes back as it
+    was: its writes stay functional."""
+    if is_in_place(cache):
+        return cache
+    pair = not isinstance(cache, (tuple, list))
+    tensors = (cache,) if pair else tuple(cache)
+    if not all(cache_kernels.can_write_slots(t) for t in tensors):
+        return cache
+    if kind is None:
+        kind = InPlacePairCache if pair else InPlaceCache
+    return kind(*tensors)
 
 
 def is_in_place(cache):
-    """Whether every tensor of `cache` (a tensor or a tuple) is registered
-    by `mark_in_place`. Under `torch.compile` none is: a compiled write
-    is functional, as under `jax.jit`."""
-    if capabilities.compiling_one_graph():
-        return False
-    tensors = cache if isinstance(cache, (tuple, list)) else (cache,)
-    for tensor in tensors:
-        ref = _IN_PLACE.get(id(tensor))
-        if ref is None or ref() is not tensor:
-            return False
-    return True
+    """Whether `cache` is one calls may write in place (`mark_in_place`):
+    a property of the value, whatever its tensors. An eager write then
+    writes into them; a traced one (`jax.jit`, `tf.function`,
+    `torch.compile`) is functional, and returns a cache of the same
+    type."""
+    return isinstance(cache, _IN_PLACE_TYPES)
+
+
+def pair_tensor(cache):
+    """keras-hub's cache tensor of `cache`: `cache` itself, or that of an
+    `InPlacePairCache`."""
+    return cache.keys_and_values if isinstance(cache, InPlacePairCache) \
+        else cache
 
 
 def slot_positions(index, num_slots, rolling, slots=None):
@@ -131,8 +161,9 @@ def slot_positions(index, num_slots, rolling, slots=None):
 
 def write(cache, key, value, valid, index, rolling):
     """Writes `T` new tokens at positions `index .. index+T-1`: into new
-    tensors, or into the cache's own for an in-place cache (see the
-    module's docstring; the result is registered as in-place too).
+    tensors, or into the cache's own for an in-place cache in an eager
+    call (see the module's docstring); the result is a cache of the same
+    type.
 
     Args:
         cache: `(keys, values, valid)`, `(B, L, K, H)`, `(B, L, K, V)`,
@@ -147,17 +178,16 @@ def write(cache, key, value, valid, index, rolling):
         The updated cache. With a rolling cache and `T > L`, only the last
         `L` tokens are kept.
     """
-    result = _write(cache, key, value, valid, index, rolling)
-    if not is_in_place(cache):
-        return result
-    if capabilities.tensors_carry_gradient_history():
+    in_place = _writes_in_place(cache)
+    result = _write(cache, key, value, valid, index, rolling, in_place)
+    if in_place and capabilities.tensors_carry_gradient_history():
         # A ring's select carries the new tokens' gradient history; an
         # in-place cache holds none (its writes run without gradients).
         result = tuple(t.detach() if t.requires_grad else t for t in result)
-    return mark_in_place(result)
+    return type(cache)(*result) if is_in_place(cache) else result
 
 
-def _write(cache, key, value, valid, index, rolling):
+def _write(cache, key, value, valid, index, rolling, in_place):
     old_keys, old_values, old_valid = cache
     num_slots, length = old_keys.shape[1], key.shape[1]
     if rolling and length is not None and length > num_slots:
@@ -181,10 +211,11 @@ def _write(cache, key, value, valid, index, rolling):
             start = index
         fits = None
         if not rolling:  # one guard for the three
-            start, fits = _guarded(start, length, num_slots, cache)
+            start, fits = _guarded(start, length, num_slots, in_place)
         shared = {}
         return tuple(
-            _write_run(part, run, start, fits=fits, shared=shared)
+            _write_run(part, run, start, fits=fits, shared=shared,
+                       in_place=in_place)
             for part, run in zip(cache, new)
         )
     index = ops.cast(index, "int32")
@@ -202,9 +233,10 @@ def _write(cache, key, value, valid, index, rolling):
     return tuple(result)
 
 
-def _write_run(cache, new, start, axis=1, fits=None, shared=None):
+def _write_run(cache, new, start, axis=1, fits=None, shared=None,
+               in_place=False):
     """`new` written into slots `[start, start + T)` of `axis` of one
-    tensor.
+    tensor: into the tensor itself where `in_place` (`_writes_in_place`).
 
     A full cache's index is checked when it has a value
     (`keras_mha/checks/cache.py`). Traced, an out-of-range run (`start < 0`
@@ -216,10 +248,8 @@ def _write_run(cache, new, start, axis=1, fits=None, shared=None):
     alike share one (a graph op per write instead of one per slice and per
     write).
     """
-    if _writes_in_place(cache):
+    if in_place:
         return cache_kernels.write_slots(cache, new, start, axis)
-    if fits is None and cache_kernels.can_copy_slots(cache, new):
-        return cache_kernels.copy_slots(cache, new, start, axis)
     rank = len(cache.shape)
     indices = None if shared is None else shared.get(rank)
     if indices is None:
@@ -253,12 +283,11 @@ def _start_indices(start, rank, axis):
     return ops.stack(indices)
 
 
-def _guarded(start, length, num_slots, tensors):
-    """`(start, fits)` for `_write_run` into each of `tensors`: a tensor
-    `start` guarded (`_guard`) unless every one of them is written in
-    place (an eager call, whose index `checks.cache_index` checked);
-    `fits` is `None` otherwise."""
-    if isinstance(start, int) or all(_writes_in_place(t) for t in tensors):
+def _guarded(start, length, num_slots, in_place):
+    """`(start, fits)` for `_write_run`: a tensor `start` guarded
+    (`_guard`) unless the write is `in_place` (an eager call, whose index
+    `checks.cache_index` checked); `fits` is `None` otherwise."""
+    if isinstance(start, int) or in_place:
         return start, None
     value = concrete_int(start)
     if value is not None:  # eager: `checks.cache_index` checked it
@@ -274,45 +303,49 @@ def _guard(start, length, num_slots):
     return clamped, ops.equal(clamped, start)  # 3 graph ops, not 6
 
 
-def _writes_in_place(cache):
-    """Whether `cache_kernels.write_slots` writes into `cache` itself: a
-    tensor of an in-place cache (`mark_in_place`) that the kernel serves
-    now (`cache_kernels.can_write_slots`)."""
-    return is_in_place(cache) and cache_kernels.can_write_slots(cache)
+def _writes_in_place(cache, in_place=None):
+    """Whether `cache_kernels.write_slots` writes into the tensors of
+    `cache` themselves: an in-place cache (`is_in_place`, or `in_place`
+    where given, for keras-hub's bare tensor) whose every tensor the
+    kernel serves now (`cache_kernels.can_write_slots`), outside
+    `torch.compile` (a compiled write is functional, as under
+    `jax.jit`)."""
+    if in_place is None:
+        in_place = is_in_place(cache)
+    tensors = cache if isinstance(cache, tuple) else (cache,)
+    return (
+        in_place and not capabilities.compiling_one_graph()
+        and all(cache_kernels.can_write_slots(t) for t in tensors)
+    )
 
 
-def write_pair(cache, key, value, index, halves=True):
+def write_pair(cache, key, value, index, halves=True, in_place=False):
     """keras-hub's cache `(B, 2, S, K, H)` with `key` and `value`
-    `(B, T, K, H)` written at slots `index .. index + T - 1`.
+    `(B, T, K, H)` written at slots `index .. index + T - 1`; `in_place`:
+    whether the tensor is that of an `InPlacePairCache` (`pair_tensor`).
 
     Returns:
-        `(cache, keys, values)`: the updated cache and its `(B, S, K, H)`
-        keys and values. Where the write is in place (an in-place cache,
-        `mark_in_place`, in an eager call) or `halves` is false, keys and values are `None`: the
-        cache's halves hold them, sliced only where needed (an eager
-        TensorFlow slice copies). Elsewhere (traced, for a step that reads
-        the whole cache) the keys and the values are written separately
-        and stacked, as keras-hub does: the attention then reads them
-        without slicing the stacked cache
-        (a transpose of a separate half is cheaper than one out of the
-        stacked cache). Stacking copies the cache, so a step that reads the
+        `(cache, keys, values)`: the updated cache tensor and its
+        `(B, S, K, H)` keys and values. Where the write is in place (an
+        in-place cache in an eager call) or `halves` is false, keys and
+        values are `None`: the cache's halves hold them, sliced only where
+        needed (an eager TensorFlow slice copies). Elsewhere (traced, for
+        a step that reads the whole cache) the keys and the values are
+        written separately and stacked, as keras-hub does: the attention
+        then reads them without slicing the stacked cache (a transpose of
+        a separate half is cheaper than one out of the stacked cache). Stacking copies the cache, so a step that reads the
         slots below its position writes one run in place instead. One
         traced token is written by a select over the slots instead of a
         guarded `slice_update` on TensorFlow and torch, where it is the
         faster of the two in a compiled `generate`; on JAX the guarded
         write is.
     """
-    result = _write_pair(cache, key, value, index, halves)
-    return (mark_in_place(result[0]) if is_in_place(cache) else result[0],
-            *result[1:])
-
-
-def _write_pair(cache, key, value, index, halves):
+    in_place = _writes_in_place(cache, in_place)
     key, value = ops.cast(key, cache.dtype), ops.cast(value, cache.dtype)
     if (
         halves and key.shape[1] == 1 and not isinstance(index, int)
         and capabilities.select_writes_traced_token()
-        and not _writes_in_place(cache)
+        and not in_place
     ):
         # One token, traced: a select over the slots writes it, and writes
         # nothing for an index out of range, with no guard to build.
@@ -323,10 +356,11 @@ def _write_pair(cache, key, value, index, halves):
         keys = ops.where(hit, key, cache[:, 0])
         values = ops.where(hit, value, cache[:, 1])
         return ops.stack([keys, values], axis=1), keys, values
-    index, fits = _guarded(index, key.shape[1], cache.shape[2], (cache,))
-    if not halves or _writes_in_place(cache):
+    index, fits = _guarded(index, key.shape[1], cache.shape[2], in_place)
+    if not halves or in_place:
         new = ops.stack([key, value], axis=1)  # (B, 2, T, K, H)
-        return _write_run(cache, new, index, axis=2, fits=fits), None, None
+        return _write_run(cache, new, index, axis=2, fits=fits,
+                          in_place=in_place), None, None
     shared = {}  # both halves
     keys = _write_run(cache[:, 0], key, index, fits=fits, shared=shared)
     values = _write_run(cache[:, 1], value, index, fits=fits, shared=shared)

@@ -6,62 +6,89 @@ attends over the cache. In a full cache slot `j` holds position `j`, and
 no slot at or after `limit = index + T` is visible, so the step reads the
 key blocks below `limit` only, a block at a time with an online softmax:
 `ceil(limit / b)` blocks, a cost that follows the position, not the
-cache's size. In eager calls the limit is known and the blocks are a
-Python loop; when it is traced (`jax.jit`, `tf.function`) they are a
-`keras.ops.while_loop` whose trip count is a tensor, so the step traces
-once. A rolling cache (one token at a time) is one block of its `w` slots.
-Late in a large cache, a traced step of one token on JAX reads every slot
-in one pass instead (the tuning table's `decode_whole_from`): XLA on CPU
-copies each block the loop slices, and the pass reads the cache where it
-lies.
+cache's size. A rolling cache (one token at a time) is one block of its
+`w` slots.
 
-Eager steps take a native route where the backend has one
-(`decode_kernels.py`): on torch (`decode_core`), the fused attention kernel
-over every slot below the limit, on strided views of the cache (a long
-step in chunks of slots merged by their log-sum-exp), and for the latent
-cache (`latent_core`) two products that read its latents and rope keys
-where they lie; on TensorFlow and
-JAX (`graph_decode`), the traced loop as one compiled function (a graph,
-`jax.jit`), which saves the loop's per-op dispatch.
+Three jobs, three pieces: `cache_layouts.py` reads a cache's layout (ours,
+keras-hub's one tensor, the latent cache) a run of slots at a time;
+`_route` chooses how a step runs; the runners (`_native_step`,
+`_block_loop`) run it. The routes:
 
-Shapes: query `(B, T, N, H)`; the cache `(keys, values, valid)`, `(B, L,
-K, H)`, `(B, L, K, V)` and `(B, L)` (see `cache.py`). The numbers are those
-of `explicit.explicit_attention` with the spec's keys at their slots'
-positions: scale, soft-cap, ALiBi, sinks, masks, and weights 0 for a row
-with nothing to attend to.
+- `graph`: an eager step on TensorFlow and JAX, this function compiled as
+  one function (`decode_kernels.graph_decode`: a graph, `jax.jit`), which
+  saves the loop's per-op dispatch;
+- `kernel`: an eager step on torch, its fused attention kernel over every
+  slot below the limit, on strided views of the cache (a long step in
+  chunks of slots merged by their log-sum-exp), and for the latent cache
+  two products that read its latents and rope keys where they lie
+  (`decode_kernels.decode_core`, `latent_core`);
+- `loop`: the block loop in Python, op by op (an eager step elsewhere, or
+  one that `force_implementation("portable")` holds);
+- `one_block`: under `torch.compile` with a traced limit, one block of
+  every slot (Dynamo cannot capture a loop whose trip count is a tensor);
+- `while_loop`: traced (`jax.jit`, `tf.function`), a `keras.ops.while_loop`
+  whose trip count is a tensor, so the step traces once;
+- `whole`: traced, one query late in a large cache on JAX, every slot in
+  one pass instead (the tuning table's `decode_whole_from`): XLA on CPU
+  copies each block the loop slices, and the pass reads the cache where
+  it lies.
+
+Shapes: query `(B, T, N, H)`; the cache in one of `cache_layouts.LAYOUTS`.
+The numbers are those of `explicit.explicit_attention` with the spec's
+keys at their slots' positions: scale, soft-cap, ALiBi, sinks, masks, and
+weights 0 for a row with nothing to attend to.
 """
 
+import collections
 import functools
 
 import keras
 from keras import ops
 
 import keras_mha.attention.cache as cache_lib
+import keras_mha.attention.cache_layouts as cache_layouts
 import keras_mha.attention.capabilities as capabilities
 import keras_mha.attention.explicit as explicit
 import keras_mha.attention.logits as logits
 import keras_mha.attention.masks as masks_lib
+import keras_mha.attention.overrides as overrides
 import keras_mha.attention.tuning as tuning
 
-FLAGGED = "flagged"  # ours: (keys, values, valid), see `cache.py`
-PAIR = "pair"  # keras-hub's: (B, 2, L, K, H), keys at [:, 0], values at [:, 1]
-# Multi-head latent attention's: (latents (B, L, R), rope_keys (B, L, P),
-# valid (B, L)), read as one key/value head: keys `[latent, rope_key]`
-# (size R + P), values the latents (size R); see `latent.py`.
-LATENT = "latent"
+FLAGGED = cache_layouts.FLAGGED  # ours: (keys, values, valid), see `cache.py`
+PAIR = cache_layouts.PAIR  # keras-hub's: (B, 2, L, K, H)
+LATENT = cache_layouts.LATENT  # the latent cache, one key/value head
 
 PORTABLE = "portable"  # the loop over key blocks, `keras.ops` only
 NATIVE = "native"  # eager steps: torch's fused kernel; TF, JAX compiled
 IMPLEMENTATIONS = (PORTABLE, NATIVE)
-# The implementation of eager steps; `None`: the native one where it
-# exists. Tests set it to run both.
-IMPLEMENTATION = None
 
-# A traced step of one query in a full cache of more than one block, past
-# the tuning table's `decode_whole_from` of its slots, reads them all in one
-# pass (`_whole_chunks`): the loop materializes every block it slices (XLA
-# on CPU) before its products; the pass multiplies the keys and the values
-# where they lie.
+# The routes of a step (`_route`; the module's docstring says each).
+GRAPH = "graph"  # eager, TensorFlow and JAX: this function compiled
+KERNEL = "kernel"  # eager, torch: its fused kernel over the slots
+LOOP = "loop"  # eager: the block loop, op by op
+ONE_BLOCK = "one_block"  # `torch.compile`, a traced limit: every slot
+WHILE_LOOP = "while_loop"  # traced: the trip count a tensor
+WHOLE = "whole"  # traced, late in a large cache: one pass
+ROUTES = (GRAPH, KERNEL, LOOP, ONE_BLOCK, WHILE_LOOP, WHOLE)
+
+# The implementations `force_implementation` blocks hold (`overrides.held`).
+_forced = []
+
+
+def force_implementation(implementation):
+    """Runs every eager decoding step in the block on `implementation`.
+
+    `"portable"`: the block loop, op by op; `"native"`: the backend's own
+    route for every eager step (torch's fused kernel over the slots below
+    the limit, TensorFlow's and JAX's loop compiled as one function; a
+    `ValueError` at the step on NumPy, which has none). Outside such a
+    block the native route runs where it serves the step; traced steps
+    always run the portable loop. For tests and benchmarks that compare
+    the two on the same inputs, as `dispatch.force_path` compares the
+    paths; `decode_attention`'s `implementation` argument comes first.
+    """
+    return overrides.held(_forced, "implementation", implementation,
+                          IMPLEMENTATIONS)
 
 
 def native_available(backend=None):
@@ -82,9 +109,10 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
 
     Args:
         query: `(B, T, N, H)`, at positions `spec.query_offset + t`.
-        cache: holding the step's own tokens: ours, `(keys, values,
-            valid)` (see `cache.py`; `valid` says where a real token was
-            written) or keras-hub's `(B, 2, L, K, H)` (`layout`).
+        cache: holding the step's own tokens, in `layout`: ours, `(keys,
+            values, valid)` (see `cache.py`; `valid` says where a real
+            token was written), keras-hub's `(B, 2, L, K, H)`, or the
+            latent cache (see `cache_layouts.py`).
         spec: an `AttentionSpec` whose `query_offset` is the step's index;
             a dense `attention_mask` `(B|1, N|1, T, L)` is read a block at a
             time; no bias, segment ids, dropout or weights.
@@ -99,30 +127,49 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
             route: torch's fused kernel over the slots below the limit at
             once, `decode_kernels.decode_core`; on TensorFlow and JAX the
             block loop as one compiled function,
-            `decode_kernels.graph_decode`) or
-            `None`:
-            `IMPLEMENTATION`, else the native route where it exists (on
-            torch while its bias stays below the tuning table's
-            `decode_native_bias_limit`).
-            Traced steps always run the portable loop.
+            `decode_kernels.graph_decode`) or `None`: the one a
+            `force_implementation` block holds, else the native route
+            where it exists (on torch while its bias stays below the
+            tuning table's `decode_native_bias_limit`). Traced steps always
+            run the portable loop.
 
     Returns:
         `(B, T, N, V)` in the query's dtype.
     """
     implementation = _implementation(implementation)
-    if implementation != PORTABLE and capabilities.compiles_eager_call(
-        (query, cache)
-    ):
+    route, step = _route(implementation, (query, cache), functools.partial(
+        _read, query, cache, spec, rolling, block_size, layout, limit))
+    if route == GRAPH:
         import keras_mha.attention.decode_kernels as decode_kernels
 
         return decode_kernels.graph_decode(
             decode_attention, query, cache, spec, rolling, block_size,
             layout, limit,
         )
-    out_dtype = query.dtype
-    pair = layout == PAIR
-    latent = layout == LATENT
-    num_slots = _num_slots(cache, pair)
+    out = _native_step(step) if route == KERNEL else _block_loop(step, route)
+    return _heads_back(out, query.dtype)
+
+
+# ------------------------------------------------------------ the step read
+
+# A step's inputs, read once (`_read`): the scaled query `q` `(B, K, G, T,
+# H)` in at least float32 and `B`, `batch`; the cache, its `layout`, `rolling`, the `spec`;
+# `num_slots` `L`, `block` `b` and `value_dim` `V`; the query positions
+# `(T,)`, the `limit` (an int32 scalar) and `known_limit`, its Python value
+# in a full cache (`None` when traced, and in a rolling cache, which reads
+# its `w` slots whatever the limit); the `query_mask` `(B, T)`; the terms
+# that are `None` where unused: ALiBi's `slopes` `(1, K, G, 1, 1)`, the
+# `dense` mask `(B|1, K|1, G|1, T|1, L)` and the `sinks` `(K, G)`.
+_Step = collections.namedtuple("_Step", [
+    "q", "batch", "cache", "layout", "rolling", "spec", "num_slots", "block",
+    "value_dim", "query_positions", "limit", "known_limit", "query_mask",
+    "slopes", "dense", "sinks",
+])
+
+
+def _read(query, cache, spec, rolling, block_size, layout, limit):
+    """The `_Step` of `decode_attention`'s arguments."""
+    num_slots = cache_layouts.num_slots(cache, layout)
     if block_size is None:
         block_size = block_size_for()
     block = num_slots if rolling else min(block_size, num_slots)
@@ -130,11 +177,7 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
     dtype = query.dtype
     batch, t_len = ops.shape(query)[0], query.shape[1]
     num_heads, key_dim = query.shape[2], query.shape[3]
-    if latent:
-        num_kv, value_dim = 1, cache[0].shape[2]
-    else:
-        num_kv = cache.shape[3] if pair else cache[0].shape[2]
-        value_dim = cache.shape[4] if pair else cache[1].shape[3]
+    num_kv, value_dim = cache_layouts.head_sizes(cache, layout)
     groups = num_heads // num_kv
     q = ops.multiply(query, ops.cast(spec.scale, dtype))
     q = ops.reshape(q, (batch, t_len, num_kv, groups, key_dim))
@@ -148,12 +191,24 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
     query_mask = spec.query_mask
     if query_mask is None:
         query_mask = ops.ones((batch, t_len), "bool")
-    slopes = None
+    return _Step(
+        q, batch, cache, layout, rolling, spec, num_slots, block, value_dim,
+        query_positions, limit,
+        None if rolling else cache_lib.concrete_int(limit), query_mask,
+        *_terms(spec, num_kv, groups, dtype),
+    )
+
+
+def _terms(spec, num_kv, groups, dtype):
+    """`(slopes, dense, sinks)` of a step, laid out per key/value head and
+    group (see `_Step`); `None` where the spec has none."""
+    slopes = dense = sinks = None
     if spec.alibi is not None:
         slopes = ops.convert_to_tensor(spec.alibi, dtype)
         slopes = ops.reshape(slopes, (1, num_kv, groups, 1, 1))
-    dense = spec.attention_mask
-    if dense is not None:  # (B|1, N|1, T|1, L) -> (B|1, K|1, G|1, T|1, L)
+    if spec.attention_mask is not None:
+        # (B|1, N|1, T|1, L) -> (B|1, K|1, G|1, T|1, L)
+        dense = spec.attention_mask
         lead, heads = dense.shape[0], dense.shape[1]
         dense = ops.reshape(
             dense,
@@ -162,78 +217,9 @@ def decode_attention(query, cache, spec, rolling, block_size=None,
             + tuple(dense.shape[2:]),
         )
         dense = ops.cast(dense, "bool")
-    blocks = 1 if rolling else _concrete_blocks(limit, block)
-    sinks = None
     if spec.sinks is not None:
         sinks = ops.reshape(ops.cast(spec.sinks, dtype), (num_kv, groups))
-    if _takes_native(implementation, blocks, q, num_slots, slopes, dense):
-        size = num_slots if rolling else min(
-            cache_lib.concrete_int(limit), num_slots
-        )
-        out = _native_step(
-            q, cache, size, limit, query_positions, query_mask, spec, rolling,
-            layout, slopes, dense, sinks,
-        )
-        return _heads_back(out, out_dtype)
-    if blocks is None and capabilities.compiling_one_graph():
-        # Dynamo cannot capture a loop whose trip count is a tensor: one
-        # block of every slot, those at or after `limit` masked.
-        block, blocks = num_slots, 1
-    shape = (batch, num_kv, groups, t_len)
-    state = (
-        ops.zeros((), "int32"),  # the block
-        ops.full(shape + (1,), logits.MASKED_LOGIT, dtype),  # running max
-        ops.zeros(shape + (1,), dtype),  # running denominator
-        ops.zeros(shape + (value_dim,), dtype),  # running numerator
-    )
-    # One query: the products read each block in place (`_packed_query`),
-    # unless they read strided keys without a copy anyway.
-    packed = t_len == 1 and not capabilities.products_read_strided_views()
-    chunks = _whole_chunks(num_slots, block) if (
-        packed and layout == FLAGGED and not rolling and blocks is None
-    ) else None
-    extra = ()
-    if slopes is not None:
-        extra += (slopes,)
-    if dense is not None:
-        extra += (dense,)
-    if packed:
-        q = _packed_query(q)
-    constants = (q, cache, limit, query_positions, query_mask) + extra
-    # `lru_cache`'s wrapper is a graph break under `torch.compile`.
-    loop = _loop.__wrapped__ if capabilities.compiling_one_graph() else _loop
-    cond, body = loop(
-        block, num_slots, rolling, spec.causal, spec.window, spec.chunk,
-        spec.soft_cap, slopes is not None, dense is not None, layout,
-        (num_kv, groups) if packed else None,
-    )
-    if chunks is not None:
-        # Traced, late in a large cache: one pass over every slot beats the
-        # loop's copies of each block (`decode_whole_from`).
-        whole = _loop(
-            num_slots, num_slots, rolling, spec.causal, spec.window,
-            spec.chunk, spec.soft_cap, slopes is not None, dense is not None,
-            layout,
-            (num_kv, groups), chunks,
-        )[1]
-        state = ops.cond(
-            limit > int(tuning.value("decode_whole_from") * num_slots),
-            lambda: whole(*state, *constants)[:4],
-            lambda: ops.while_loop(cond, body, state + constants)[:4],
-        )
-    elif blocks is None:  # traced: the trip count is a tensor
-        state = ops.while_loop(cond, body, state + constants)
-    else:
-        state = state + constants
-        for _ in range(blocks):
-            state = body(*state)
-    _, top, total, numerator = state[:4]
-    if sinks is not None:
-        sinks = ops.reshape(sinks, (1, num_kv, groups, 1, 1))
-        top, total, numerator = logits.fold_sink(top, total, numerator, sinks)
-    out = ops.divide(numerator, ops.maximum(total, 1e-30))
-    out = ops.where(total > 0, out, ops.zeros_like(out))  # (B, K, G, T, V)
-    return _heads_back(out, out_dtype)
+    return slopes, dense, sinks
 
 
 def _heads_back(out, dtype):
@@ -247,12 +233,15 @@ def _heads_back(out, dtype):
     )
 
 
+# ---------------------------------------------------------------- the route
+
+
 def _implementation(implementation):
     """The implementation asked for (`decode_attention`'s argument, else
-    `IMPLEMENTATION`), checked: `PORTABLE`, `NATIVE`, or `None` (the native
-    route where it serves the step)."""
-    if implementation is None:
-        implementation = IMPLEMENTATION
+    the one a `force_implementation` block holds), checked: `PORTABLE`,
+    `NATIVE`, or `None` (the native route where it serves the step)."""
+    if implementation is None and _forced:
+        implementation = _forced[-1]
     if implementation not in IMPLEMENTATIONS + (None,):
         raise ValueError(
             f"Argument `implementation` must be one of {IMPLEMENTATIONS} or "
@@ -267,95 +256,174 @@ def _implementation(implementation):
     return implementation
 
 
-def _num_slots(cache, pair):
-    """The slots of either layout."""
-    return cache.shape[2] if pair else cache[0].shape[1]
+def _route(implementation, tensors, read):
+    """`(route, step)`: which of `ROUTES` runs a step, and the step read
+    (`read()`, a `_Step`; `None` for `graph`, which reads it inside the
+    compiled function). See the module's docstring for the routes."""
+    if implementation != PORTABLE and capabilities.compiles_eager_call(
+        tensors
+    ):
+        return GRAPH, None
+    step = read()
+    if _blocks(step) is not None:  # eager, or one block of a rolling cache
+        return (KERNEL if _takes_native(implementation, step) else LOOP), step
+    if capabilities.compiling_one_graph():
+        return ONE_BLOCK, step
+    return (WHOLE if _whole_chunks(step) else WHILE_LOOP), step
 
 
-def _takes_native(implementation, blocks, q, num_slots, slopes, dense):
-    """Whether a torch step runs `decode_kernels.decode_core` (see
+def _takes_native(implementation, step):
+    """Whether an eager step runs `decode_kernels.decode_core` (see
     `decode_attention`'s `implementation`)."""
-    fused = capabilities.has_fused_decode_kernel()
-    if implementation == PORTABLE or not fused:
-        return False
-    if blocks is None:  # traced (`torch.compile`): the limit has no value
+    if (implementation == PORTABLE
+            or not capabilities.has_fused_decode_kernel()):
         return False
     if implementation == NATIVE:
         return True
-    _, num_kv, groups, t_len, _ = q.shape
-    varies = slopes is not None or (dense is not None and dense.shape[1] > 1)
-    return (num_kv if varies else 1) * groups * t_len * num_slots <= (
+    _, num_kv, groups, t_len, _ = step.q.shape
+    varies = step.slopes is not None or (
+        step.dense is not None and step.dense.shape[1] > 1
+    )
+    return (num_kv if varies else 1) * groups * t_len * step.num_slots <= (
         tuning.value("decode_native_bias_limit")
     )
 
 
-def _native_step(q, cache, size, limit, query_positions, query_mask, spec,
-                 rolling, layout, slopes, dense, sinks):
-    """`(B, K, G, T, V)`: the step over slots `[0, size)` at once, with
-    torch's fused kernel (`decode_kernels.decode_core`); the keys and the
-    values are strided views of the cache, never copied."""
+def _blocks(step):
+    """The blocks a step reads, `ceil(limit / b)`, as a Python int (one in
+    a rolling cache); `None` where the limit is traced."""
+    if step.rolling:
+        return 1
+    if step.known_limit is None:
+        return None
+    return max(1, -(-step.known_limit // step.block))
+
+
+def _packed(step):
+    """`(K, G)` where the products read each block in place
+    (`_packed_query`: one query, on a backend whose products do not read
+    strided keys without a copy anyway), else `None`."""
+    _, num_kv, groups, t_len, _ = step.q.shape
+    if t_len != 1 or capabilities.products_read_strided_views():
+        return None
+    return num_kv, groups
+
+
+def _whole_chunks(step):
+    """The chunks of a one-pass read of every slot of a traced step
+    (`whole`): the most runs of equal length up to the tuning table's
+    `decode_whole_runs`, at least 2; `None` where the step has no such
+    pass: several queries, a rolling cache or another layout than ours, a
+    backend without `decode_whole_from`, a cache of one block, or a
+    prime number of slots."""
+    num_slots = step.num_slots
+    if (
+        _packed(step) is None or step.layout != FLAGGED or step.rolling
+        or tuning.value("decode_whole_from") is None
+        or num_slots <= step.block
+    ):
+        return None
+    most = tuning.value("decode_whole_runs")
+    for chunks in range(min(most, num_slots // 2), 1, -1):
+        if num_slots % chunks == 0:
+            return chunks
+    return None
+
+
+# ---------------------------------------------------------------- the runs
+
+
+def _native_step(step):
+    """`(B, K, G, T, V)`: the step over its slots below the limit at once,
+    with torch's fused kernel (`decode_kernels.decode_core`); the keys and
+    the values are strided views of the cache, never copied."""
     import keras_mha.attention.decode_kernels as decode_kernels
 
-    if layout == LATENT:  # two parts read where they lie, not concatenated
-        latents, rope_keys, written = (_run(part, 0, size) for part in cache)
+    q, cache, spec = step.q, step.cache, step.spec
+    size = step.num_slots if step.rolling else min(step.known_limit,
+                                                   step.num_slots)
+    if step.layout == LATENT:  # two parts read where they lie
+        latents, rope_keys, written = (cache_layouts.run(part, 0, size)
+                                       for part in cache)
     else:
-        keys, values, written = _slots(cache, 0, size, layout, q.dtype)
+        keys, values, written = cache_layouts.slots(cache, 0, size,
+                                                    step.layout, q.dtype)
     positions = cache_lib.slot_positions(
-        limit, _num_slots(cache, layout == PAIR), rolling,
+        step.limit, step.num_slots, step.rolling,
         ops.arange(size, dtype="int32"),
     )
-    mask = _slot_mask(query_positions, positions, written, query_mask,
-                      spec.causal, spec.window, spec.chunk)  # (B, 1, 1, T, S)
-    if dense is not None:
-        mask = ops.logical_and(mask, dense[..., :size])
+    mask = _slot_mask(step.query_positions, positions, written,
+                      step.query_mask, spec.causal, spec.window,
+                      spec.chunk)  # (B, 1, 1, T, S)
+    if step.dense is not None:
+        mask = ops.logical_and(mask, step.dense[..., :size])
     alibi = None
-    if slopes is not None:
-        distance = query_positions[:, None] - positions[None, :]
-        alibi = logits.alibi(slopes, distance[None, None, None], q.dtype)
+    if step.slopes is not None:
+        distance = step.query_positions[:, None] - positions[None, :]
+        alibi = logits.alibi(step.slopes, distance[None, None, None], q.dtype)
     mask, has_key = masks_lib.open_empty_rows(mask)
-    if layout == LATENT:
+    if step.layout == LATENT:
         out = decode_kernels.latent_core(q, latents, rope_keys, mask, alibi,
-                                         sinks, spec.soft_cap)
+                                         step.sinks, spec.soft_cap)
     else:
-        out = decode_kernels.decode_core(q, keys, values, mask, alibi, sinks,
-                                         spec.soft_cap)
+        out = decode_kernels.decode_core(q, keys, values, mask, alibi,
+                                         step.sinks, spec.soft_cap)
     return masks_lib.zero_empty_rows(out, has_key)
 
 
-def _slots(cache, start, size, layout, dtype):
-    """`(keys, values, written)` of slots `[start, start + size)` of either
-    layout: `(B, b, K, H)` and `(B, b, K, V)` in `dtype`, and `(B|1, b)`
-    booleans (every slot of keras-hub's cache counts as written). On torch
-    the keys and the values are views of the cache."""
-    if layout == PAIR and size == cache.shape[2]:
-        slots = cache
-        keys, values = slots[:, 0], slots[:, 1]
-        written = ops.ones((1, size), "bool")
-    elif layout == PAIR:
-        batch = ops.shape(cache)[0]
-        slots = ops.slice(
-            cache, (0, 0, start, 0, 0), (batch, 2, size) + tuple(cache.shape[3:])
-        )  # (B, 2, b, K, H)
-        keys, values = slots[:, 0], slots[:, 1]
-        written = ops.ones((1, size), "bool")
-    elif layout == LATENT:
-        latents, rope_keys, written = (
-            _run(part, start, size) for part in cache
-        )  # (B, b, R), (B, b, P), (B, b)
-        keys = ops.concatenate([latents, rope_keys], axis=-1)[:, :, None]
-        values = latents[:, :, None]  # (B, b, 1, R)
+def _block_loop(step, route):
+    """`(B, K, G, T, V)`: the online softmax over the blocks below the
+    limit, on `route`: `loop` and `one_block` in Python, `while_loop`
+    traced, `whole` one pass late in the cache and the loop before."""
+    q, spec = step.q, step.spec
+    block = step.num_slots if route == ONE_BLOCK else step.block
+    shape = (step.batch, *q.shape[1:4])  # (B, K, G, T)
+    state = (
+        ops.zeros((), "int32"),  # the block
+        ops.full(shape + (1,), logits.MASKED_LOGIT, q.dtype),  # running max
+        ops.zeros(shape + (1,), q.dtype),  # running denominator
+        ops.zeros(shape + (step.value_dim,), q.dtype),  # running numerator
+    )
+    packed = _packed(step)
+    constants = (
+        q if packed is None else _packed_query(q), step.cache, step.limit,
+        step.query_positions, step.query_mask,
+    ) + tuple(x for x in (step.slopes, step.dense) if x is not None)
+    geometry = (
+        step.num_slots, step.rolling, spec.causal, spec.window, spec.chunk,
+        spec.soft_cap, step.slopes is not None, step.dense is not None,
+        step.layout, packed,
+    )
+    # `lru_cache`'s wrapper is a graph break under `torch.compile`.
+    loop = _loop.__wrapped__ if capabilities.compiling_one_graph() else _loop
+    cond, body = loop(block, *geometry)
+    if route == WHOLE:
+        # Late in a large cache: one pass over every slot beats the loop's
+        # copies of each block (`decode_whole_from`).
+        whole = _loop(step.num_slots, *geometry, _whole_chunks(step))[1]
+        state = ops.cond(
+            step.limit > int(tuning.value("decode_whole_from")
+                             * step.num_slots),
+            lambda: whole(*state, *constants)[:4],
+            lambda: ops.while_loop(cond, body, state + constants)[:4],
+        )
+    elif route == WHILE_LOOP:  # the trip count is a tensor
+        state = ops.while_loop(cond, body, state + constants)
     else:
-        keys, values, written = (_run(part, start, size) for part in cache)
-    return ops.cast(keys, dtype), ops.cast(values, dtype), written
+        state = state + constants
+        for _ in range(1 if route == ONE_BLOCK else _blocks(step)):
+            state = body(*state)
+    return _finish(step, *state[1:4])
 
 
-def _run(tensor, start, size):
-    """Slots `[start, start + size)` of one of our cache's tensors."""
-    if size == tensor.shape[1]:  # all of them: no slice to trace
-        return tensor
-    starts = (0, start) + (0,) * (tensor.ndim - 2)
-    shape = (ops.shape(tensor)[0], size) + tuple(tensor.shape[2:])
-    return ops.slice(tensor, starts, shape)
+def _finish(step, top, total, numerator):
+    """`(B, K, G, T, V)` from the online softmax's state, the sinks joined
+    to its denominator; 0 for a row with no key."""
+    if step.sinks is not None:
+        sinks = ops.reshape(step.sinks, (1, *step.sinks.shape, 1, 1))
+        top, total, numerator = logits.fold_sink(top, total, numerator, sinks)
+    out = ops.divide(numerator, ops.maximum(total, 1e-30))
+    return ops.where(total > 0, out, ops.zeros_like(out))
 
 
 def _slot_mask(query_positions, positions, written, query_mask, causal,
@@ -380,8 +448,8 @@ def _loop(block, num_slots, rolling, causal, window, chunk, soft_cap,
     choice of features: `jax.lax.while_loop` caches its trace on them.
     `packed`: `(K, G)` when the query is `_packed_query`'s. `chunks`: the
     body reads every slot (`block = L`) and sums its weighted values over
-    that many chunks of them (`_whole_chunks`)."""
-    pair, latent = layout == PAIR, layout == LATENT
+    that many chunks of them (`_chunked_weighted`)."""
+    read = cache_layouts.packed_slots if packed else cache_layouts.slots
 
     def cond(i, top, total, numerator, *constants):
         limit = constants[2]
@@ -389,58 +457,16 @@ def _loop(block, num_slots, rolling, causal, window, chunk, soft_cap,
 
     def body(i, top, total, numerator, *constants):
         q, cache, limit, query_positions, query_mask = constants[:5]
-        batch = ops.shape(cache if pair else cache[0])[0]
         # The last block may overlap the one before it: its keys below
         # `i·b` were read already and are masked.
-        zero = ops.zeros((), "int32")
-        start = zero if block == num_slots else ops.minimum(
-            i * block, num_slots - block)
-        if packed and pair:
-            slots = ops.slice(
-                cache, (zero, zero, start, zero, zero),
-                (batch, 2, block) + tuple(cache.shape[3:]),
-            )  # (B, 2, b, K, H)
-            rows = ops.cast(ops.reshape(slots, (batch, 2, block, -1)), q.dtype)
-            keys, values = rows[:, 0], rows[:, 1]  # (B, b, K·H)
-            written = ops.ones((1, block), "bool")
-        elif packed and latent:
-            latents, rope_keys, written = (
-                _run(part, start, block) for part in cache
-            )  # (B, b, R), (B, b, P), (B, b)
-            # Two products, one per part, read each where it lies: no
-            # concatenated copy of the keys.
-            keys = tuple(ops.cast(x, q.dtype) for x in (latents, rope_keys))
-            values = keys[0]
-        elif packed:
-            keys, values, written = (
-                part if chunks is not None else _run(part, start, block)
-                for part in cache
-            )  # the whole pass reads every slot where it lies
-            keys, values = (
-                ops.cast(ops.reshape(x, (batch, block, -1)), q.dtype)
-                for x in (keys, values)
-            )  # (B, b, K·H), (B, b, K·V)
-        else:
-            keys, values, written = _slots(cache, start, block, layout,
-                                           q.dtype)
+        start = ops.zeros((), "int32") if block == num_slots else (
+            ops.minimum(i * block, num_slots - block))
+        keys, values, written = read(cache, start, block, layout, q.dtype)
         slot = start + ops.arange(block, dtype="int32")
         positions = cache_lib.slot_positions(
             limit, num_slots, rolling, slot
         )  # (b,); negative: the slot holds no token yet
-        if packed and latent:  # q (B, R + P, N)
-            rank = keys[0].shape[-1]
-            scores = ops.matmul(keys[0], q[:, :rank]) + ops.matmul(
-                keys[1], q[:, rank:]
-            )  # (B, b, N)
-            scores = ops.reshape(scores, (batch, block) + packed + (1,))
-            scores = ops.transpose(scores, (0, 2, 3, 4, 1))  # (B, 1, N, 1, b)
-        elif packed:
-            scores = ops.matmul(keys, q)  # (B, b, K·G)
-            scores = ops.reshape(scores, (batch, block) + packed + (1,))
-            scores = ops.transpose(scores, (0, 2, 3, 4, 1))  # (B, K, G, 1, b)
-        else:
-            scores = ops.einsum("bkgth,bskh->bkgts", q, keys)
-        scores = logits.soft_cap(scores, soft_cap)
+        scores = logits.soft_cap(_block_scores(q, keys, packed), soft_cap)
         if use_alibi:  # slopes (1, K, G, 1, 1)
             distance = query_positions[:, None] - positions[None, :]  # (T, b)
             scores = scores + logits.alibi(
@@ -452,27 +478,54 @@ def _loop(block, num_slots, rolling, causal, window, chunk, soft_cap,
                           causal, window, chunk)  # (B, 1, 1, T, b)
         if use_dense:
             dense = constants[-1]  # (B|1, K|1, G|1, T|1, L)
-            shape = tuple(dense.shape[:4]) + (block,)
-            dense = ops.slice(dense, (zero,) * 4 + (start,), shape)
-            mask = ops.logical_and(mask, dense)
-        scores = ops.where(
-            mask, scores, ops.cast(logits.MASKED_LOGIT, scores.dtype)
+            zero = ops.zeros((), "int32")
+            mask = ops.logical_and(mask, ops.slice(
+                dense, (zero,) * 4 + (start,),
+                tuple(dense.shape[:4]) + (block,),
+            ))
+        top, total, numerator = _online_step(
+            top, total, numerator, scores, mask, values, packed, chunks
         )
-        new_top = ops.maximum(top, ops.amax(scores, axis=-1, keepdims=True))
-        rescale = ops.exp(top - new_top)
-        weights = ops.exp(scores - new_top) * ops.cast(mask, scores.dtype)
-        total = total * rescale + ops.sum(weights, axis=-1, keepdims=True)
-        if packed:
-            if chunks is None:
-                part = _packed_weighted(weights, values, packed)
-            else:
-                part = _chunked_weighted(weights, values, packed, chunks)
-        else:
-            part = ops.einsum("bkgts,bskv->bkgtv", weights, values)
-        numerator = numerator * rescale + part
-        return (i + 1, new_top, total, numerator, *constants)
+        return (i + 1, top, total, numerator, *constants)
 
     return cond, body
+
+
+def _block_scores(q, keys, packed):
+    """`(B, K, G, T, b)`: the logits of a block's keys; `packed` (see
+    `_loop`): one product with the packed query, keys `(B, b, K·H)`, or
+    the latent cache's pair of parts, one product each."""
+    if packed is None:
+        return ops.einsum("bkgth,bskh->bkgts", q, keys)
+    if isinstance(keys, tuple):  # q (B, R + P, N)
+        rank = keys[0].shape[-1]
+        scores = ops.matmul(keys[0], q[:, :rank]) + ops.matmul(
+            keys[1], q[:, rank:]
+        )  # (B, b, N)
+    else:
+        scores = ops.matmul(keys, q)  # (B, b, K·G)
+    scores = ops.reshape(scores, (-1, scores.shape[1]) + packed + (1,))
+    return ops.transpose(scores, (0, 2, 3, 4, 1))  # (B, K, G, 1, b)
+
+
+def _online_step(top, total, numerator, scores, mask, values, packed,
+                 chunks):
+    """The online softmax's state `(top, total, numerator)` after one
+    block's masked `scores` and its `values` (see `_loop`)."""
+    scores = ops.where(
+        mask, scores, ops.cast(logits.MASKED_LOGIT, scores.dtype)
+    )
+    new_top = ops.maximum(top, ops.amax(scores, axis=-1, keepdims=True))
+    rescale = ops.exp(top - new_top)
+    weights = ops.exp(scores - new_top) * ops.cast(mask, scores.dtype)
+    total = total * rescale + ops.sum(weights, axis=-1, keepdims=True)
+    if packed is None:
+        part = ops.einsum("bkgts,bskv->bkgtv", weights, values)
+    elif chunks is None:
+        part = _packed_weighted(weights, values, packed)
+    else:
+        part = _chunked_weighted(weights, values, packed, chunks)
+    return new_top, total, numerator * rescale + part
 
 
 def _packed_query(q):
@@ -522,24 +575,3 @@ def _chunked_weighted(weights, values, heads, chunks):
     weights = ops.transpose(weights, (0, 3, 4, 1, 2))  # (B, n, r, K, G)
     out = ops.sum(ops.sum(values * weights[..., None], axis=2), axis=1)
     return out[:, :, :, None]  # (B, K, G, 1, V)
-
-
-def _whole_chunks(num_slots, block):
-    """The chunks of a one-pass read of all `num_slots`: the most runs of
-    equal length up to the tuning table's `decode_whole_runs`, at least 2;
-    `None` where the backend (`decode_whole_from`) or a cache of one block
-    has no such pass, or `num_slots` is prime."""
-    if tuning.value("decode_whole_from") is None or num_slots <= block:
-        return None
-    most = tuning.value("decode_whole_runs")
-    for chunks in range(min(most, num_slots // 2), 1, -1):
-        if num_slots % chunks == 0:
-            return chunks
-    return None
-
-
-def _concrete_blocks(limit, block):
-    """`ceil(limit / b)` as a Python int when `limit` has a value (eager
-    calls), `None` when it is traced."""
-    value = cache_lib.concrete_int(limit)
-    return None if value is None else max(1, -(-value // block))

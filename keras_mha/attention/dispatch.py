@@ -13,6 +13,7 @@ row that matches decides.
 
 | The call | Path |
 |---|---|
+| every slot of a decoding cache read whole (`spec.whole_cache`: keras-hub's cache of one block), where `explicit_cached_step` says so (JAX on CPU: inside a compiled decode loop XLA fuses the explicit softmax better than the fused kernel's) | `explicit` |
 | a window or chunks; keys at their own positions (no cache, a Python-int offset); no dense mask or bias; no weights returned; `S >= banded_min_ratio·w` and `S >= banded_min_length`, `w = max(left, right) + 1` of the spec's `reach` (the window, and chunks of `C` as a window `(C - 1, C - 1)`, right 0 when causal) | `banded` |
 | weights returned, or dropout | `explicit` |
 | causal self-attention at `T = S >= blocked_min_length`; no window, dense mask, bias, cache, or `flash_attention=True`; on torch only what its kernel cannot take (a soft-cap) | `blocked` |
@@ -45,17 +46,22 @@ cache, weights or dropout (causal self-attention in zig-zag order);
 anything else runs on the whole sequence (`None`: XLA gathers what the
 call needs).
 
-A cache (decoding) takes one of three routes (`cache_route`): `prompt`,
+A cache (decoding) takes one of four routes (`cache_route`): `prompt`,
 the tokens of a call at the Python index 0 attending to themselves on the
-paths above; `in_place`, the tokens written first and the cache read up to
-the last position (`decode.py`); `concatenated`, the old slots and the new
-tokens at their positions on `fused` or `explicit`.
+paths above; `slot_write`, the tokens written into their slots first and
+the cache read where it lies, up to the last position (`decode.py`),
+whoever owns the cache (`cache.is_in_place` decides only whether that
+write is into the cache's own tensors); `concatenated`, the old slots and the new
+tokens at their positions on `fused` or `explicit`; `whole_cache`,
+keras-hub's cache, whose dense mask and weights span its slots, read
+whole after the write on the paths above.
 """
 
 import collections
 import math
 import numbers
 
+import keras_mha.attention.cache_layouts as cache_layouts
 import keras_mha.attention.capabilities as capabilities
 import keras_mha.attention.fused as fused
 import keras_mha.attention.overrides as overrides
@@ -74,9 +80,10 @@ RING = "ring"
 CONTEXT_ROUTES = (HALO, RING)
 
 PROMPT = "prompt"
-IN_PLACE = "in_place"
+SLOT_WRITE = "slot_write"
 CONCATENATED = "concatenated"
-CACHE_ROUTES = (PROMPT, IN_PLACE, CONCATENATED)
+WHOLE_CACHE = "whole_cache"
+CACHE_ROUTES = (PROMPT, SLOT_WRITE, CONCATENATED, WHOLE_CACHE)
 
 
 class Shapes(
@@ -235,6 +242,8 @@ def choose_path(spec, shapes, backend=None, platform=None):
     def setting(name):
         return tuning.value(name, backend=backend, platform=platform)
 
+    if spec.whole_cache and setting("explicit_cached_step"):
+        return EXPLICIT
     if setting("follow_keras") and keras_would_fuse(spec, shapes, backend):
         return _as_keras(spec, shapes, backend, setting)
     if can_serve(BANDED, spec, shapes, backend) and banded_pays_off(
@@ -277,7 +286,9 @@ def _as_keras(spec, shapes, backend, setting):
     return FUSED
 
 
-def cache_route(spec, query_length, index, rolling):
+def cache_route(spec, query_length, index, rolling,
+                layout=cache_layouts.FLAGGED, num_slots=None,
+                computed=False):
     """Which route a call with a cache takes: one of `CACHE_ROUTES`.
 
     Args:
@@ -285,14 +296,30 @@ def cache_route(spec, query_length, index, rolling):
         query_length: `T`, the new tokens.
         index: `cache_update_index` (a Python int or a tensor).
         rolling: whether the cache is a rolling buffer.
+        layout: the cache's layout (`cache_layouts.LAYOUTS`). keras-hub's
+            (`"pair"`) has no `prompt` or `concatenated` route: its dense
+            mask and its weights span its slots, so a call that does not
+            write and read its slots (`slot_write`) reads them whole after
+            the write (`whole_cache`): with weights or dropout, and for a
+            cache of `num_slots` within one block (`decode_block`), which
+            the step's loop would read whole anyway and keras-hub's layer
+            reads with one product.
+        num_slots: `L`, read for keras-hub's cache.
+        computed: whether the keys are computed from the cache's entries
+            (the latent cache, expanded): such a cache is never read where
+            it lies (`concatenated`, after a prompt).
     """
+    if layout == cache_layouts.PAIR:
+        whole = spec.return_weights or spec.dropout or (
+            num_slots <= tuning.value("decode_block"))
+        return WHOLE_CACHE if whole else SLOT_WRITE
     if spec.return_weights:  # weights over the old slots and the new tokens
         return CONCATENATED
     if isinstance(index, numbers.Integral) and index == 0:
         return PROMPT
-    if spec.dropout or (rolling and query_length != 1):
+    if spec.dropout or (rolling and query_length != 1) or computed:
         return CONCATENATED
-    return IN_PLACE
+    return SLOT_WRITE
 
 
 def context_route(spec, shapes):

@@ -19,10 +19,10 @@ Two computations give the same numbers:
   one shared key/value head, keys `[c, k_rope]` `(R + P)` and values `c`
   `(R)` (grouped attention with `K = 1`); the head's context is then
   multiplied by `W_v[:, n]`. Nothing per key is computed: a decoding step
-  reads the cache's latents where they lie (`decode.py`'s `LATENT`).
+  reads the cache's latents where they lie (`cache_layouts.LATENT`).
 
 The rule (`computation`): a call with a cache whose step writes its tokens
-and reads the cache in place (the `"in_place"` route of
+and reads the cache where it lies (the `"slot_write"` route of
 `dispatch.cache_route`: decoding after the prompt, no returned weights, no
 dropout) runs absorbed; every other call runs expanded (training, prompts,
 returned weights, several tokens in a rolling cache), as does any call
@@ -31,17 +31,19 @@ whose `kv_b` is quantized (absorption reads its float kernel).
 
 The cache is `(latents (B, L, R), rope_keys (B, L, P), valid (B, L))`,
 written and read with `cache.py`'s functions, which take any trailing
-shape: slot `p` (or `p mod w` rolling) holds position `p`.
+shape: slot `p` (or `p mod w` rolling) holds position `p`. A call with a
+cache is `attention.attend_cached`'s, as every layer's: absorbed, the
+cache's own layout (`cache_layouts.LATENT`); expanded, keys and values
+computed from its entries (`heads`).
 """
 
 from keras import ops
 
 import keras_mha.attention as attention_lib
 from keras_mha.attention import cache as cache_lib
-from keras_mha.attention import decode
+from keras_mha.attention import cache_layouts
 from keras_mha.attention import dispatch
 from keras_mha.attention import overrides
-from keras_mha.attention import sharded
 
 EXPANDED = "expanded"
 ABSORBED = "absorbed"
@@ -76,20 +78,22 @@ def computation(spec, query_length, cache=False, index=None, rolling=False,
     if not absorbable or not cache:
         return EXPANDED
     route = dispatch.cache_route(spec, query_length, index, rolling)
-    return ABSORBED if route == dispatch.IN_PLACE else EXPANDED
+    return ABSORBED if route == dispatch.SLOT_WRITE else EXPANDED
 
 
 def zeros(batch_size, num_slots, kv_lora_rank, rope_dim, dtype,
           in_place=False):
     """An empty latent cache: `(latents, rope_keys, valid)`; with
     `in_place`, one the layer may update in place
-    (`cache.mark_in_place`)."""
+    (`cache.InPlaceLatentCache`)."""
     cache = (
         ops.zeros((batch_size, num_slots, kv_lora_rank), dtype),
         ops.zeros((batch_size, num_slots, rope_dim), dtype),
         ops.zeros((batch_size, num_slots), "bool"),
     )
-    return cache_lib.mark_in_place(cache) if in_place else cache
+    if in_place:
+        return cache_lib.mark_in_place(cache, cache_lib.InPlaceLatentCache)
+    return cache
 
 
 def expand(up_projected, rope_keys, nope_dim):
@@ -127,10 +131,8 @@ def absorbed_query(q_nope, q_rope, key_kernel):
 
 def latent_head(latents, rope_keys, dtype):
     """The shared key/value head: keys `(B, S, 1, R + P)`, values `(B, S, 1,
-    R)`."""
-    latents = ops.cast(latents, dtype)
-    keys = ops.concatenate([latents, ops.cast(rope_keys, dtype)], axis=-1)
-    return keys[:, :, None], latents[:, :, None]
+    R)` (`cache_layouts.latent_heads`, the latent cache's reading)."""
+    return cache_layouts.latent_heads(latents, rope_keys, dtype)
 
 
 def absorbed_output(context, value_kernel):
@@ -169,6 +171,7 @@ def latent_attention(q_nope, q_rope, latents, rope_keys, spec, up_project,
         `None` without one.
     """
     dtype = q_nope.dtype
+    heads = None  # absorbed: the cache read as one shared head
     if how == ABSORBED:
         w = kernel()
         w_key, w_value = w[..., :nope_dim], w[..., nope_dim:]
@@ -176,49 +179,20 @@ def latent_attention(q_nope, q_rope, latents, rope_keys, spec, up_project,
     else:
         query = ops.concatenate([q_nope, q_rope], axis=-1)
 
-    def heads(all_latents, all_rope_keys):
-        if how == ABSORBED:
-            return latent_head(all_latents, all_rope_keys, dtype)
-        up = up_project(ops.cast(all_latents, dtype))
-        return expand(up, all_rope_keys, nope_dim)
+        def heads(all_latents, all_rope_keys):
+            up = up_project(ops.cast(all_latents, dtype))
+            return expand(up, all_rope_keys, nope_dim)
 
-    new_cache = None
     if cache is None:
-        route = None
-    else:
-        route = dispatch.cache_route(spec, q_nope.shape[1], index, rolling)
-    if cache is None or route == dispatch.PROMPT:
-        keys, values = heads(latents, rope_keys)
+        keys, values = (latent_head(latents, rope_keys, dtype)
+                        if heads is None else heads(latents, rope_keys))
         context, weights = attention_lib.attend(query, keys, values, spec)
-        if cache is not None:
-            new_cache = cache_lib.write(cache, latents, rope_keys,
-                                        spec.key_mask, 0, rolling)
-    elif route == dispatch.IN_PLACE and how == ABSORBED:
-        weights = None
-        if sharded.shards_cache(spec.sharding, cache):
-            # Each device reads its own slots (`sharded.cached_decode`).
-            context, new_cache = sharded.cached_decode(
-                query, (latents, rope_keys), spec, cache, index, rolling,
-                heads=lambda held, held_rope: latent_head(held, held_rope,
-                                                          dtype),
-            )
-        else:
-            new_cache = cache_lib.write(cache, latents, rope_keys,
-                                        spec.key_mask, index, rolling)
-            step = spec.replace(query_offset=index, key_mask=None)
-            context = decode.decode_attention(query, new_cache, step,
-                                              rolling, layout=decode.LATENT)
+        new_cache = None
     else:
-        # The cache's old slots, then the new tokens (a rolling cache can
-        # take more tokens than its slots in one call).
-        (all_latents, all_rope_keys, keys_valid, key_positions,
-         new_cache) = cache_lib.attend_inputs(
-            cache, latents, rope_keys, spec.key_mask, index, rolling
+        context, weights, new_cache = attention_lib.attend_cached(
+            query, latents, rope_keys, spec, cache, index, rolling,
+            layout=cache_layouts.LATENT, heads=heads,
         )
-        keys, values = heads(all_latents, all_rope_keys)
-        spec = spec.replace(query_offset=index, key_positions=key_positions,
-                            key_mask=keys_valid)
-        context, weights = attention_lib.attend(query, keys, values, spec)
     if how == ABSORBED:
         context = absorbed_output(context, w_value)
     return context, weights, new_cache

@@ -92,12 +92,7 @@ def ring_attention(query, key, value, fields, spec, index, zigzag):
     moves = zigzag_moves(size) if zigzag else None
 
     def into(x):
-        if x is None or not zigzag:
-            return x
-        is_bool = x.dtype == "bool"
-        moved = _move(ops.cast(x, "int8") if is_bool else x, moves, axis,
-                      False)
-        return ops.cast(moved, "bool") if is_bool else moved
+        return x if x is None or not zigzag else _into(x, moves, axis)
 
     query, key, value = into(query), into(key), into(value)
     query_tokens = [into(x) for x in query_tokens]
@@ -164,6 +159,14 @@ def ring_attention(query, key, value, fields, spec, index, zigzag):
     if zigzag:
         out = _move(out, moves, axis, True)
     return out
+
+
+def _into(x, moves, axis):
+    """`x` `(B, 2c, ...)` moved into zig-zag order (`_move`), booleans
+    too."""
+    is_bool = x.dtype == "bool"
+    moved = _move(ops.cast(x, "int8") if is_bool else x, moves, axis, False)
+    return ops.cast(moved, "bool") if is_bool else moved
 
 
 def _ppermute_any(x, axis, pairs):

@@ -61,6 +61,10 @@ class AttentionSpec:
         sharding: `None`, or the `sharded.ContextPlan` of the active
             `keras_mha.ContextParallel`: the tokens are sharded over its
             context axis and `attend` takes a context-parallel route.
+        whole_cache: whether the keys are every slot of a decoding
+            cache after its write, read whole (keras-hub's cache on
+            `attend_cached`'s `whole_cache` route); the dispatch rule reads
+            it (`explicit_cached_step`).
 
     The order inside attention is that of `logits.py` (docs/design.md, "The
     order inside attention").
@@ -86,6 +90,7 @@ class AttentionSpec:
     segment_ids: Any = None
     key_segment_ids: Any = None
     sharding: Any = None
+    whole_cache: bool = False
 
     def replace(self, **changes):
         """A copy with some fields changed."""

@@ -149,15 +149,17 @@ def head_features(qk_norm, qk_norm_scope, qk_norm_epsilon,
                   value_norm=False, qkv_clip=None):
     """The layer's `qk_norm`, `qk_norm_scope`, `qk_norm_epsilon`,
     `query_temperature`, `qk_norm_after_rope`, `value_norm` and
-    `qkv_clip`, checked."""
-    return (
-        choice("qk_norm", qk_norm, ("rms", "layer", "l2"), allow_none=True),
-        choice("qk_norm_scope", qk_norm_scope, ("head", "projection")),
-        positive_number("qk_norm_epsilon", qk_norm_epsilon),
-        query_temperature_pair(query_temperature),
-        boolean("qk_norm_after_rope", qk_norm_after_rope),
-        boolean("value_norm", value_norm),
-        positive_number("qkv_clip", qkv_clip, allow_none=True),
+    `qkv_clip`, checked, by name."""
+    return dict(
+        qk_norm=choice("qk_norm", qk_norm, ("rms", "layer", "l2"),
+                       allow_none=True),
+        qk_norm_scope=choice("qk_norm_scope", qk_norm_scope,
+                             ("head", "projection")),
+        qk_norm_epsilon=positive_number("qk_norm_epsilon", qk_norm_epsilon),
+        query_temperature=query_temperature_pair(query_temperature),
+        qk_norm_after_rope=boolean("qk_norm_after_rope", qk_norm_after_rope),
+        value_norm=boolean("value_norm", value_norm),
+        qkv_clip=positive_number("qkv_clip", qkv_clip, allow_none=True),
     )
 
 

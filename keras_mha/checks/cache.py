@@ -16,7 +16,7 @@ def cache_slots(layer, batch_size, max_length, in_place):
     positive_int("batch_size", batch_size)
     positive_int("max_length", max_length)
     boolean("in_place", in_place)
-    return layer._rolling_slots if layer.rolling_cache else max_length
+    return layer.settings.rolling_slots if layer.rolling_cache else max_length
 
 
 def cache_index(index, length, num_slots, rolling):
@@ -59,7 +59,7 @@ def cache_index(index, length, num_slots, rolling):
 
 
 def cache_call(
-    query, value, key, cache, index, use_causal_mask, attention_mask,
+    query, value, key, cache, index, *, use_causal_mask, attention_mask,
     num_kv_heads, key_dim, value_dim, window,
 ):
     """Checks a layer call with `cache=`/`cache_update_index=` from shapes.

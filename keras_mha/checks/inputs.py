@@ -225,12 +225,13 @@ def feature_arguments(
     key_segment_ids,
 ):
     """Checks the call arguments of the features of current models."""
+    settings = layer.settings
     if layout.multi_axis and (
-        layer._rotary_embedding is not None or layer._use_alibi
+        settings.rotary_embedding is not None or settings.use_alibi
     ):
         raise ValueError(
             "`rotary_embedding` and `use_alibi` need a single attention "
-            f"axis. Received: attention_axes={layer._attention_axes}"
+            f"axis. Received: attention_axes={settings.attention_axes}"
         )
     given = {
         "attention_bias": attention_bias_,
@@ -255,7 +256,8 @@ def feature_arguments(
         )
     query_shape, key_shape = shapes["query"], shapes["key"]
     if attention_bias_ is not None:
-        attention_bias(attention_bias_, query_shape, key_shape, layer._num_heads)
+        attention_bias(attention_bias_, query_shape, key_shape,
+                       settings.num_heads)
     if key_segment_ids is not None and segment_ids_ is None:
         raise ValueError(
             "`key_segment_ids` needs `segment_ids` (the queries' ids). "
@@ -285,17 +287,15 @@ def built_inputs(layer, query, value, key=None):
     }
     layout = input_shapes(
         shapes["query"], shapes["value"], shapes["key"],
-        layer._attention_axes,
+        layer.settings.attention_axes,
     )
     if layer.built:  # inputs must fit the weights
+        rank = layer.input_layout.rank
         for name, shape in shapes.items():
-            features = layer._feature_sizes[name]
-            if len(shape) != layer._layout.rank or shape[-1] not in (
-                None,
-                features,
-            ):
+            features = layer.input_features[name]
+            if len(shape) != rank or shape[-1] not in (None, features):
                 raise ValueError(
-                    f"`{name}` must have rank {layer._layout.rank} and "
+                    f"`{name}` must have rank {rank} and "
                     f"{features} features, as when the layer was built. "
                     f"Received: {name}.shape={shape}"
                 )
@@ -304,7 +304,7 @@ def built_inputs(layer, query, value, key=None):
 
 def scores_and_flash(layer, return_attention_scores):
     """Keras's error for scores asked of flash attention."""
-    if return_attention_scores and layer._flash_attention:
+    if return_attention_scores and layer.settings.flash_attention:
         raise ValueError(
             "Returning attention scores is not supported when flash "
             "attention is enabled. Please disable flash attention to "
@@ -314,29 +314,19 @@ def scores_and_flash(layer, return_attention_scores):
 
 
 def call_arguments(
-    layer,
-    query,
-    value,
-    key,
-    query_mask,
-    value_mask,
-    key_mask,
-    attention_mask,
-    return_attention_scores,
-    use_causal_mask,
-    cache,
-    cache_update_index,
-    attention_bias=None,
-    segment_ids=None,
-    key_segment_ids=None,
-    training=None,
+    layer, *, query, value, key, query_mask, value_mask, key_mask,
+    attention_mask, return_attention_scores, use_causal_mask, cache,
+    cache_update_index, attention_bias=None, segment_ids=None,
+    key_segment_ids=None, training=None,
 ):
     """Checks a call of `layer` from shapes and dtypes alone.
 
     Runs in `call` and in `compute_output_spec`, so bad inputs fail
     while a Functional model is built, and never as a backend error.
-    Takes every argument of the call; `training` needs no check.
+    Takes every argument of the call, by keyword; `training` needs no
+    check.
     """
+    settings = layer.settings
     key = value if key is None else key
     shapes, layout = built_inputs(layer, query, value, key)
     for name, mask, shape in (
@@ -352,7 +342,7 @@ def call_arguments(
             "attention_mask",
             attention_mask,
             layout.attention_mask_targets(
-                shapes["query"], shapes["key"], layer._num_heads
+                shapes["query"], shapes["key"], settings.num_heads
             ),
         )
     feature_arguments(
@@ -362,13 +352,14 @@ def call_arguments(
     if use_causal_mask and layout.multi_axis:
         raise ValueError(
             "`use_causal_mask=True` needs a single attention axis. "
-            f"Received: attention_axes={layer._attention_axes}"
+            f"Received: attention_axes={settings.attention_axes}"
         )
     scores_and_flash(layer, return_attention_scores)
     if cache is not None or cache_update_index is not None:
         cache_call(
             query, value, key, cache, cache_update_index,
-            use_causal_mask, attention_mask, layer._num_key_value_heads,
-            layer._key_dim, layer._value_dim,
-            layer._rolling_slots if layer.rolling_cache else None,
+            use_causal_mask=use_causal_mask, attention_mask=attention_mask,
+            num_kv_heads=settings.num_key_value_heads,
+            key_dim=settings.key_dim, value_dim=settings.value_dim,
+            window=settings.rolling_slots if layer.rolling_cache else None,
         )

@@ -25,13 +25,13 @@ def shapes(query_shape, value_shape):
         )
 
 
-def call(layer, query, value, key, query_mask, value_mask, key_mask,
+def call(layer, *, query, value, key, query_mask, value_mask, key_mask,
          attention_mask, use_causal_mask, cache, cache_update_index,
          return_attention_scores=False, training=None):
     """Checks a call from shapes and dtypes alone (eager and symbolic).
 
-    Takes every argument of the call; `return_attention_scores` and
-    `training` need no check.
+    Takes every argument of the call, by keyword; `return_attention_scores`
+    and `training` need no check.
     """
     query_shape, value_shape = tuple(query.shape), tuple(value.shape)
     shapes(query_shape, value_shape)
@@ -42,10 +42,8 @@ def call(layer, query, value, key, query_mask, value_mask, key_mask,
             f"{tuple(key.shape)}"
         )
     if layer.built:
-        for name, shape, size in (
-            ("query", query_shape, layer._feature_sizes[0]),
-            ("value", value_shape, layer._feature_sizes[1]),
-        ):
+        for name, shape in (("query", query_shape), ("value", value_shape)):
+            size = layer.input_features[name]
             if shape[-1] != size:
                 raise ValueError(
                     f"`{name}` must have {size} features, as when the layer "
@@ -63,7 +61,8 @@ def call(layer, query, value, key, query_mask, value_mask, key_mask,
         mask_argument("attention_mask", attention_mask, {
             2: ("(T, S)", (t_len, s_len)),
             3: ("(B, T, S)", (batch, t_len, s_len)),
-            4: ("(B, N, T, S)", (batch, layer._num_heads, t_len, s_len)),
+            4: ("(B, N, T, S)",
+                (batch, layer.settings.num_heads, t_len, s_len)),
         })
     if cache is None and cache_update_index is None:
         return
@@ -105,12 +104,13 @@ def _cache(layer, cache, batch):
             "`init_cache` returns. Received: cache of type "
             f"{type(cache).__name__}"
         )
-    slots = layer._rolling_slots if layer.rolling_cache else None
+    settings = layer.settings
+    slots = settings.rolling_slots if layer.rolling_cache else None
     if slots is None and len(cache[0].shape) > 1:
         slots = cache[0].shape[1]
     expected = (
-        (batch, slots, layer._kv_lora_rank),
-        (batch, slots, layer._qk_rope_head_dim),
+        (batch, slots, settings.kv_lora_rank),
+        (batch, slots, settings.qk_rope_head_dim),
         (batch, slots),
     )
     part_shapes(cache, expected, "`(latents, rope_keys, valid)` of shapes "

@@ -121,6 +121,7 @@ def _add_backend_flag(parser, what):
 
 
 def build_parser():
+    """The `keras-mha` parser: its options, and a subparser per command."""
     parser = Parser(
         prog=PROG,
         description="Multi-head attention for Keras 3: demo, environment "
@@ -131,7 +132,14 @@ def build_parser():
         "--version", action="version", version=f"%(prog)s {_version()}"
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add_command in (_add_demo, _add_info, _add_compare, _add_bench,
+                        _add_test):
+        add_command(commands)
+    return parser
 
+
+def _add_demo(commands):
+    """`keras-mha demo` and its arguments."""
     demo = commands.add_parser(
         "demo",
         help="two heads attending to different tokens of 'банк у реки'",
@@ -146,6 +154,9 @@ def build_parser():
         help="also draw both heads' 3x3 attention maps (needs matplotlib)",
     )
 
+
+def _add_info(commands):
+    """`keras-mha info` and its arguments: a call's configuration."""
     info = commands.add_parser(
         "info",
         help="versions, backends and the attention path a call takes",
@@ -158,6 +169,9 @@ def build_parser():
     _add_switches(config, _INFO_SWITCHES)
     _add_sizes(config, _INFO_SIZES)
 
+
+def _add_compare(commands):
+    """`keras-mha compare` and its arguments."""
     compare = commands.add_parser(
         "compare",
         help="our layer and Keras's against a float64 reference, per backend",
@@ -176,6 +190,9 @@ def build_parser():
     compare.add_argument("--worker", action="store_true",
                          help=argparse.SUPPRESS)
 
+
+def _add_bench(commands):
+    """`keras-mha bench` and its arguments: the shapes timed."""
     bench = commands.add_parser(
         "bench",
         help="time Keras's MultiHeadAttention and ours on your shapes",
@@ -201,6 +218,9 @@ def build_parser():
                        help="also draw time per call against T (needs "
                        "matplotlib)")
 
+
+def _add_test(commands):
+    """`keras-mha test` and its own arguments (the others go to pytest)."""
     test = commands.add_parser(
         "test",
         allow_abbrev=False,  # `--back` is someone's pytest flag, not ours
@@ -218,8 +238,6 @@ def build_parser():
     # it compiling), so two overlap well on a 2-core machine.
     test.add_argument("-j", "--jobs", type=positive_int, default=2,
                       metavar="N", help="backends run at once (default 2)")
-
-    return parser
 
 
 def _version():

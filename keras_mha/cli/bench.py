@@ -34,6 +34,7 @@ import platform
 import statistics
 import time
 
+import keras_mha.cli.bench_features as bench_features
 from keras_mha.cli.common import CLIError
 from keras_mha.cli.common import check_plot
 from keras_mha.cli.common import device_line
@@ -251,11 +252,40 @@ def _available_bytes():
 
 def run(args):
     """`keras-mha bench`: returns the exit code."""
-    import keras
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
-                               TextColumn, TimeElapsedColumn)
 
+    decode_run = _decode_run(args)
+    if decode_run is not None:
+        return decode_run(args, parse_sizes, time_alternately, device_name())
+    features = getattr(args, "features", False)
+    lengths = parse_sizes(args.lengths or ("16k" if features else "1k,4k"),
+                          "lengths")
+    windows = parse_sizes(args.window or ("128" if features else "none"),
+                          "window", allow_none=True)
+    repeats = args.repeats or 10
+    _check_layer_flags(args, features)
+    shape = {"batch": args.batch or 1, "heads": args.heads or 8,
+             "key_dim": args.key_dim or 64}
+    device = device_name()
+    cells = [(t_len, window) for t_len in lengths for window in windows]
+    helpers = None
+    if features:
+        helpers = bench_features.Helpers(runner, time_alternately, _reason,
+                                         _describe, _window_text, _ms_text)
+    rows, interrupted = _measure_cells(cells, shape, args, repeats, device,
+                                       helpers)
+    console = Console(highlight=False)
+    _print_results(console, rows, args, shape, repeats, device, helpers)
+    if interrupted:
+        done = len({(row["T"], row["w"]) for row in rows})
+        console.print(f"interrupted after {done} of {len(cells)} sizes")
+        return 130
+    return 0
+
+
+def _decode_run(args):
+    """The `run` of `--decode` (`decode_bench.py`) or of `--decode
+    --latent` (`latent_bench.py`), their flags checked, or `None`."""
     if getattr(args, "decode", False) and getattr(args, "features", False):
         raise CLIError("--decode and --features exclude each other")
     if getattr(args, "latent", False):
@@ -273,19 +303,20 @@ def run(args):
                            f"{', '.join(given)}")
         from keras_mha.cli.latent_bench import run as run_latent
 
-        return run_latent(args, parse_sizes, time_alternately, device_name())
+        return run_latent
     if getattr(args, "decode", False):
         from keras_mha.cli.decode_bench import run as run_decode
 
-        return run_decode(args, parse_sizes, time_alternately, device_name())
-    features = getattr(args, "features", False)
-    lengths = parse_sizes(args.lengths or ("16k" if features else "1k,4k"),
-                          "lengths")
-    windows = parse_sizes(args.window or ("128" if features else "none"),
-                          "window", allow_none=True)
-    repeats = args.repeats or 10
-    backend = keras.backend.backend()
-    if args.backward and backend == "numpy":
+        return run_decode
+    return None
+
+
+def _check_layer_flags(args, features):
+    """The flags of the layers' timing that the backend or `--features`
+    rule out, and `--plot`'s file."""
+    import keras
+
+    if args.backward and keras.backend.backend() == "numpy":
         raise CLIError("--backward: the numpy backend runs inference only "
                        "(no autodiff); choose another with --backend NAME")
     if args.plot is not None and features:
@@ -293,34 +324,34 @@ def run(args):
                        "--features")
     if args.plot is not None:
         check_plot(args.plot)
-    shape = {"batch": args.batch or 1, "heads": args.heads or 8,
-             "key_dim": args.key_dim or 64}
-    device = device_name()
-    cells = [(t_len, window) for t_len in lengths for window in windows]
+
+
+def _measure_cells(cells, shape, args, repeats, device, helpers):
+    """`(rows, interrupted)`: the rows of each cell `(T, w)`, Keras's layer
+    against ours, or each feature against none where `helpers` (of
+    `bench_features`) is given; a progress bar on a terminal. A Ctrl-C
+    stops it with the rows measured so far."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
+                               TextColumn, TimeElapsedColumn)
+
     errors = Console(stderr=True)
     rows = []
-    interrupted = False
     with Progress(
         TextColumn("{task.description:<20}"), BarColumn(),
         MofNCompleteColumn(), TimeElapsedColumn(), console=errors,
         transient=True, disable=not errors.is_terminal,
     ) as progress:
-        if features:
-            import keras_mha.cli.bench_features as bench_features
-
-            helpers = bench_features.Helpers(runner, time_alternately,
-                                             _reason, _describe, _w,
-                                             _ms_text)
         # Per cell: a warm-up and the rounds of each layer.
-        calls = (len(bench_features.FEATURES) if features else 2) * (
-            repeats + 1)
+        layers = 2 if helpers is None else len(bench_features.FEATURES)
+        calls = layers * (repeats + 1)
         task = progress.add_task("", total=len(cells) * calls)
         try:
             for number, (t_len, window) in enumerate(cells):
-                progress.update(task,
-                                description=f"T={t_len} w={_w(window)}")
+                progress.update(
+                    task, description=f"T={t_len} w={_window_text(window)}")
                 advance = lambda: progress.advance(task)  # noqa: E731
-                if features:
+                if helpers is not None:
                     rows += bench_features.measure(
                         shape, t_len, window, args.backward, repeats, advance,
                         helpers)
@@ -330,11 +361,15 @@ def run(args):
                                          advance))
                 progress.update(task, completed=(number + 1) * calls)
         except KeyboardInterrupt:  # what was measured is still shown
-            interrupted = True
-    console = Console(highlight=False)
+            return rows, True
+    return rows, False
+
+
+def _print_results(console, rows, args, shape, repeats, device, helpers):
+    """The device, the table of `rows` and, with `--plot`, the plot."""
     mode = "forward+backward" if args.backward else "forward"
     console.print(device_line(device))
-    if rows and features:
+    if rows and helpers is not None:
         console.print(bench_features.table(rows, shape, mode, repeats,
                                            helpers))
     elif rows:
@@ -342,11 +377,6 @@ def run(args):
     if args.plot is not None and rows:
         _save_plot(rows, args.plot, shape, args.causal, mode, device)
         console.print(f"plot written to {args.plot}")
-    if interrupted:
-        done = len({(row["T"], row["w"]) for row in rows})
-        console.print(f"interrupted after {done} of {len(cells)} sizes")
-        return 130
-    return 0
 
 
 def layer_pair(shape, t_len, window):
@@ -421,13 +451,15 @@ def _too_large(shape, t_len, device):
 
 
 def _reason(error):
-    lines = [l.strip() for l in str(error).strip().splitlines() if l.strip()]
+    """The error's type and first line, in at most 120 characters."""
+    lines = [line.strip() for line in str(error).strip().splitlines()
+             if line.strip()]
     text = f"{type(error).__name__}: {lines[0]}" if lines else \
         type(error).__name__
     return text[:120]
 
 
-def _w(window):
+def _window_text(window):
     return "none" if window is None else str(window)
 
 
@@ -475,7 +507,7 @@ def _table(rows, shape, causal, mode, repeats):
         keras_ms, ours_ms = (_median_ms(row.get(n)) for n in LAYERS)
         ratio = (f"{keras_ms / ours_ms:.2f}x"
                  if keras_ms is not None and ours_ms else "-")
-        table.add_row(str(row["T"]), _w(row["w"]), *cells, ratio,
+        table.add_row(str(row["T"]), _window_text(row["w"]), *cells, ratio,
                       row["path"])
     return table
 
@@ -499,7 +531,7 @@ def _save_plot(rows, path, shape, causal, mode, device):
             points = [(t, ms) for t, ms in points if ms is not None]
             if points:
                 ax.plot(*zip(*points), style, color=f"C{number}",
-                        label=f"{name}, w={_w(window)}")
+                        label=f"{name}, w={_window_text(window)}")
     ax.set_xscale("log", base=2)
     lengths = sorted({row["T"] for row in rows})
     ax.set_xticks(lengths, [str(t) for t in lengths])

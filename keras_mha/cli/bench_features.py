@@ -19,8 +19,8 @@ import statistics
 # What `bench.py` lends: its compiled step of a layer, the alternate
 # timing, and its texts of an error, a window and milliseconds.
 Helpers = collections.namedtuple(
-    "Helpers", ["runner", "time_alternately", "reason", "describe", "w",
-                "ms_text"])
+    "Helpers", ["runner", "time_alternately", "reason", "describe",
+                "window_text", "ms_text"])
 
 FEATURES = ("plain", "qk_norm", "chunked", "yarn", "temperature")
 _CHUNK_WITHOUT_WINDOW = 128
@@ -120,7 +120,7 @@ def table(rows, shape, mode, repeats, helpers):
         base = plain.get((row["T"], row["w"]))
         ratio = (f"{ms / base:.2f}x" if ms is not None and base
                  and row["feature"] != "plain" else "-")
-        result.add_row(str(row["T"]), helpers.w(row["w"]), row["feature"],
-                       helpers.ms_text(ms) if ms is not None
+        result.add_row(str(row["T"]), helpers.window_text(row["w"]),
+                       row["feature"], helpers.ms_text(ms) if ms is not None
                        else row["failed"], ratio, row["path"])
     return result

@@ -470,8 +470,9 @@ def _collect(backend, matrix_path, progress, task):
             process.wait()
     if process.returncode != 0:
         stderr.seek(0)
-        lines = [l.strip() for l in stderr.read().splitlines() if l.strip()]
-        ours = [l for l in lines if l.startswith("keras-mha: error:")]
+        lines = [line.strip() for line in stderr.read().splitlines()
+                 if line.strip()]
+        ours = [line for line in lines if line.startswith("keras-mha: error:")]
         last = (ours or lines or ["no output"])[-1]
         results["failure"] = (
             f"worker exited with code {process.returncode}: {last}"

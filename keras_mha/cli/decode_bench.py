@@ -55,11 +55,11 @@ def layers(shape):
 
     import keras_mha
 
-    batch, heads, head = shape
-    features = heads * head
+    batch, num_heads, head = shape
+    features = num_heads * head
     theirs = keras_hub.layers.CachedMultiHeadAttention(
-        num_heads=heads, key_dim=head)
-    ours = keras_mha.MultiHeadAttention(num_heads=heads, key_dim=head)
+        num_heads=num_heads, key_dim=head)
+    ours = keras_mha.MultiHeadAttention(num_heads=num_heads, key_dim=head)
     for layer in (theirs, ours):
         layer.build((batch, 1, features), (batch, 1, features))
     ours.set_weights(theirs.get_weights())
@@ -74,13 +74,13 @@ def measure(shape, slots, repeats, time_alternately):
     from keras_mha.attention import cache as cache_lib
     from keras_mha.cli.common import without_gradients
 
-    batch, heads, head = shape
+    batch, num_heads, head = shape
     position = min(MAX_POSITION, slots - 1)
     theirs, ours = layers(shape)
     rng = np.random.default_rng(0)
-    kv = rng.normal(size=(batch, 2, slots, heads, head)).astype("float32")
+    kv = rng.normal(size=(batch, 2, slots, num_heads, head)).astype("float32")
     token = ops.convert_to_tensor(
-        rng.normal(size=(batch, 1, heads * head)).astype("float32"))
+        rng.normal(size=(batch, 1, num_heads * head)).astype("float32"))
     mask = ops.convert_to_tensor(
         np.broadcast_to(np.arange(slots) <= position, (batch, 1, slots)))
 
@@ -117,9 +117,9 @@ def measure(shape, slots, repeats, time_alternately):
 def table(rows, shape, repeats):
     from rich.table import Table
 
-    batch, heads, head = shape
+    batch, num_heads, head = shape
     result = Table(title=(
-        f"one decode step, eager: B={batch}, {heads} heads of {head}; "
+        f"one decode step, eager: B={batch}, {num_heads} heads of {head}; "
         f"median ms of {repeats} calls each, timed alternately"))
     for column in ("cache L", "p", "keras-hub", "ours", "keras-hub / ours",
                    "ours in place", "keras-hub / in place"):

@@ -37,17 +37,17 @@ def run(args, parse_sizes, time_alternately, device):
 
     lengths = parse_sizes(args.lengths or "32k", "lengths")
     repeats = args.repeats or 10
-    batch, heads = args.batch or 1, args.heads or 16
-    rows = [measure(batch, heads, slots, repeats, time_alternately)
+    batch, num_heads = args.batch or 1, args.heads or 16
+    rows = [measure(batch, num_heads, slots, repeats, time_alternately)
             for slots in lengths]
     console = Console(highlight=False)
     console.print(device_line(device))
     for row in rows:
-        console.print(table(row, batch, heads, repeats))
+        console.print(table(row, batch, num_heads, repeats))
     return 0
 
 
-def layers(heads):
+def layers(num_heads):
     """The latent layer and `MultiHeadAttention` with its heads, built,
     with random weights."""
     import numpy as np
@@ -55,11 +55,11 @@ def layers(heads):
     import keras_mha
 
     latent = keras_mha.MultiHeadLatentAttention(
-        heads, RANK, NOPE, ROPE, VALUE,
+        num_heads, RANK, NOPE, ROPE, VALUE,
         rotary_embedding=keras_mha.RotaryEmbedding(),
     )
     mha = keras_mha.MultiHeadAttention(
-        heads, NOPE + ROPE, value_dim=VALUE, use_bias=False,
+        num_heads, NOPE + ROPE, value_dim=VALUE, use_bias=False,
         rotary_embedding=keras_mha.RotaryEmbedding(),
     )
     rng = np.random.default_rng(0)
@@ -73,7 +73,7 @@ def layers(heads):
     return latent, mha
 
 
-def measure(batch, heads, slots, repeats, time_alternately):
+def measure(batch, num_heads, slots, repeats, time_alternately):
     """`{"slots", "position", "latent bytes", "mha bytes", step: ms}`."""
     import numpy as np
     from keras import ops
@@ -83,7 +83,7 @@ def measure(batch, heads, slots, repeats, time_alternately):
     from keras_mha.cli.common import without_gradients
 
     position = slots // 2
-    latent, mha = layers(heads)
+    latent, mha = layers(num_heads)
     rng = np.random.default_rng(1)
 
     def random(*shape):
@@ -97,11 +97,14 @@ def measure(batch, heads, slots, repeats, time_alternately):
     def latent_cache(in_place):
         cache = (random(batch, slots, RANK), random(batch, slots, ROPE),
                  valid())
-        return cache_lib.mark_in_place(cache) if in_place else cache
+        if in_place:
+            return cache_lib.mark_in_place(cache,
+                                           cache_lib.InPlaceLatentCache)
+        return cache
 
     mha_cache = cache_lib.mark_in_place((
-        random(batch, slots, heads, NOPE + ROPE),
-        random(batch, slots, heads, VALUE), valid()))
+        random(batch, slots, num_heads, NOPE + ROPE),
+        random(batch, slots, num_heads, VALUE), valid()))
     token = random(batch, 1, FEATURES)
     state = {"absorbed": latent_cache(False),
              "absorbed in place": latent_cache(True),
@@ -110,10 +113,10 @@ def measure(batch, heads, slots, repeats, time_alternately):
 
     def step(name):
         layer = mha if name.startswith("MultiHead") else latent
-        how = "expanded" if name.startswith("expanded") else "absorbed"
+        computation = "expanded" if name.startswith("expanded") else "absorbed"
 
         def call():
-            with latent_lib.force_computation(how):
+            with latent_lib.force_computation(computation):
                 out, state[name] = layer(
                     token, token, use_causal_mask=True, cache=state[name],
                     cache_update_index=position)
@@ -145,13 +148,13 @@ def _bytes(cache):
     )
 
 
-def table(row, batch, heads, repeats):
+def table(row, batch, num_heads, repeats):
     """One cache size's table: a row per step."""
     from rich.table import Table
 
     result = Table(title=(
         f"one decode step, eager, L={row['slots']:,}, p={row['position']:,}"
-        f": B={batch}, {heads} heads; latent: kv_lora_rank {RANK}, nope "
+        f": B={batch}, {num_heads} heads; latent: kv_lora_rank {RANK}, nope "
         f"{NOPE}, rope {ROPE}, v {VALUE}; median of {repeats} calls each, "
         f"timed alternately"))
     for column in ("step", "cache", "ms", "/ absorbed in place"):

@@ -98,8 +98,8 @@ def _command(pytest_args, color):
 # XLA's CPU code generators: its element-wise emitters compile an op in
 # about 60% of the time its fusion emitters take, and compiling the ops of
 # eager calls for every shape they meet is most of JAX's run. The sessions
-# that compile with XLA use them; torch's, which starts the JAX child
-# processes of the multi-device tests, keeps XLA's defaults.
+# that compile with XLA use them, and so do the JAX child processes of the
+# multi-device tests (`tests/conftest.py`, `jax_child_env`).
 XLA_TEST_FLAG = "--xla_cpu_use_fusion_emitters=false"
 XLA_TEST_BACKENDS = ("jax", "tensorflow")
 
