@@ -125,12 +125,6 @@ def fused_takes_window(backend=None):
     return backend_name(backend) == JAX
 
 
-def softmax_takes_any_rank(backend=None):
-    """Whether the softmax takes scores of any rank: all but TensorFlow's,
-    which takes at most 5 axes."""
-    return backend_name(backend) != TENSORFLOW
-
-
 # --------------------------------------------------------- native kernels
 
 
