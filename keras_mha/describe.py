@@ -14,6 +14,7 @@ from keras_mha import checks
 from keras_mha import distribution as distribution_lib
 from keras_mha.attention import dispatch
 from keras_mha.attention import logits as logits_lib
+from keras_mha.attention import paged as paged_lib
 from keras_mha.attention import spec as spec_lib
 
 
@@ -135,9 +136,11 @@ def extra_result_specs(layer, query, value, key, *,
             )
         specs.append(keras.KerasTensor(scores_shape, dtype=layer.compute_dtype))
     if cache is not None:
-        specs.append(tuple(
-            keras.KerasTensor(part.shape, dtype=part.dtype) for part in cache
-        ))
+        parts = (None if part is None
+                 else keras.KerasTensor(part.shape, dtype=part.dtype)
+                 for part in cache)
+        specs.append(type(cache)(*parts) if paged_lib.is_paged(cache)
+                     else tuple(parts))
     return specs
 
 

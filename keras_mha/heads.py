@@ -93,21 +93,21 @@ def normalize(x, scope, epsilon, scale=None, center=False, bias=None):
     return ops.cast(y, dtype)
 
 
-def temperature(x, offset, floor_scale, scale):
-    """`x` `(B, T, N, H)` at positions `offset + t`, each query times
-    `1 + scale·log(1 + floor((p + 1) / floor_scale))` (in float32 for
-    half-precision `x`, as Llama 4 computes it)."""
+def temperature(x, offset, floor_scale, scale, positions=None):
+    """`x` `(B, T, N, H)` at positions `offset + t` (or `positions` `(B,
+    T)`), each query times `1 + scale·log(1 + floor((p + 1) /
+    floor_scale))` (in float32 for half-precision `x`, as Llama 4 computes
+    it)."""
     dtype = ops.dtype(x)
     compute = "float32" if dtype in _HALF_DTYPES else dtype
-    positions = ops.cast(
-        ops.arange(ops.shape(x)[1], dtype="int32")
-        + ops.cast(offset, "int32"),
-        compute,
-    )  # (T,)
+    if positions is None:
+        positions = ops.arange(ops.shape(x)[1], dtype="int32") + ops.cast(
+            offset, "int32")  # (T,)
+    positions = ops.cast(positions, compute)
     factor = 1.0 + scale * ops.log1p(ops.floor((positions + 1.0) / floor_scale))
-    return ops.cast(
-        ops.cast(x, compute) * ops.reshape(factor, (1, -1, 1, 1)), dtype
-    )
+    factor = ops.reshape(factor, (-1 if len(factor.shape) == 2 else 1,
+                                  ops.shape(x)[1], 1, 1))
+    return ops.cast(ops.cast(x, compute) * factor, dtype)
 
 
 def zero_padding(x, tokens):
@@ -154,7 +154,7 @@ def queries(layer, q, offset, tokens=None, positions=None):
                                 offset, positions)
     query_temperature = layer.settings.query_temperature
     if query_temperature is not None:
-        q = temperature(q, offset, *query_temperature)
+        q = temperature(q, offset, *query_temperature, positions)
     return q
 
 

@@ -21,6 +21,7 @@ from keras_mha.attention import attend
 from keras_mha.attention import attend_cached
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import masks as masks_lib
+from keras_mha.attention import paged as paged_lib
 from keras_mha.attention import spec as spec_lib
 
 _read_only = properties.read_only
@@ -353,6 +354,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
     ):
         if key is None:
             key = value
+        paged = paged_lib.is_paged(cache)
         checks.call_arguments(
             self, query=query, value=value, key=key, query_mask=query_mask,
             value_mask=value_mask, key_mask=key_mask,
@@ -374,9 +376,12 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             _bool(layout.token_mask(key_mask)),
         )  # (B', S)
         # `heads.py`; new keys sit where the queries do when decoding.
-        start = 0 if cache is None else cache_update_index
-        q = heads_lib.queries(self, q, start, query_tokens)
-        k = heads_lib.keys(self, k, start, key_tokens)
+        start = 0 if cache is None or paged else cache_update_index
+        # A ragged call's tokens sit at their rows' own positions.
+        at = paged_lib.token_positions(cache_update_index, q) if paged \
+            else None
+        q = heads_lib.queries(self, q, start, query_tokens, at)
+        k = heads_lib.keys(self, k, start, key_tokens, at)
         v = heads_lib.values(self, v, key_tokens)
 
         spec = self._describe(
@@ -519,6 +524,36 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         ))
 
     # ----------------------------------------------------------------- shapes
+
+    def init_paged_cache(self, num_pages, page_size, quantize=None,
+                         in_place=False):
+        """An empty paged key/value cache: one pool of `num_pages` pages
+        of `page_size` slots for every sequence this layer serves
+        (docs/serving.md).
+
+        Args:
+            num_pages: the pool's pages.
+            page_size: the slots of a page.
+            quantize: `None` (the compute dtype), `"int8"` or
+                `"float8_e4m3fn"`: values stored with one float32 scale
+                per token and key/value head.
+            in_place: whether eager calls write the new slots into the
+                pool's own tensors (torch, TensorFlow) rather than
+                returning a new pool.
+
+        Returns:
+            A `keras_mha.attention.paged.PagedCache` (or
+            `InPlacePagedCache`). A call takes it as `cache`, with a
+            `RaggedBatch` as `cache_update_index`, and returns
+            `(output, cache)`.
+        """
+        checks.paged_cache(self, num_pages, page_size, quantize, in_place)
+        settings = self.settings
+        return paged_lib.zeros(
+            num_pages, page_size, settings.num_key_value_heads,
+            settings.key_dim, settings.value_dim, self.compute_dtype,
+            quantize=quantize, in_place=in_place,
+        )
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         key_shape = value_shape if key_shape is None else key_shape

@@ -178,6 +178,46 @@ def test_decoding_steps_compile_once(rng, case):
                                atol=1e-5, rtol=1e-5)
 
 
+@COMPILED
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_ragged_steps_compile_once(rng, quantize):
+    """Ragged steps over a paged cache, rows at different positions and
+    with different numbers of new tokens from step to step (prefill
+    chunks, decode steps, idle rows): one trace, one program, and the
+    rows' outputs equal the eager steps'."""
+    from keras_mha.attention import paged
+
+    x = rng.normal(size=(3, 4, 8)).astype("float32")
+    layer = make_layer(x, x, num_heads=2, key_dim=4, num_key_value_heads=1,
+                       sliding_window=5,
+                       rotary_embedding=keras_mha.RotaryEmbedding())
+    table = np.arange(15, dtype="int32").reshape(3, 5)[:, ::-1].copy()
+    lengths = [(4, 2, 0), (1, 2, 3), (1, 0, 1), (0, 1, 1), (1, 1, 1)]
+
+    def step(tokens, pool, batch):
+        return layer(tokens, tokens, use_causal_mask=True, cache=pool,
+                     cache_update_index=batch)
+
+    pools = [layer.init_paged_cache(16, 4, quantize=quantize)] * 2
+    if BACKEND == "torch":  # one eager call first, as Keras's `fit` does
+        step(x, pools[1], paged.RaggedBatch(table, np.zeros(3, "int32"),
+                                            np.zeros(3, "int32")))
+    run, programs = _counted(step)
+    positions, calls = np.zeros(3, "int32"), []
+    for count in lengths:
+        batch = paged.RaggedBatch(*(keras.ops.convert_to_tensor(a) for a in (
+            table, positions, np.asarray(count, "int32"))))
+        args = (keras.ops.convert_to_tensor(x), pools[0], batch)
+        calls.append(args)
+        out, pools[0] = run(*args)
+        eager, pools[1] = step(x, pools[1], batch)
+        for r, n in enumerate(count):
+            np.testing.assert_allclose(to_numpy(out)[r, :n],
+                                       to_numpy(eager)[r, :n], atol=1e-5)
+        positions += np.asarray(count, "int32")
+    assert programs(calls) == 1
+
+
 def _every_feature_model():
     """Two blocks: a causal window with sinks, RoPE and per-head RMS
     query/key norms; then full causal attention with ALiBi, chunks, the

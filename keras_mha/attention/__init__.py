@@ -37,6 +37,7 @@ from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import cache_layouts
 from keras_mha.attention import decode
 from keras_mha.attention import dispatch
+from keras_mha.attention import paged
 from keras_mha.attention import sharded
 from keras_mha.attention import tuning
 from keras_mha.attention.banded import banded_attention
@@ -97,8 +98,8 @@ def attend_cached(query, key, value, spec, cache, index, rolling,
 
     The one cached call of every layer and cache layout (`cache_layouts`):
     ours, keras-hub's one tensor (`CachedMultiHeadAttention`) and the
-    latent cache (`MultiHeadLatentAttention`). Four routes, all with the
-    same numbers, chosen by `dispatch.cache_route` alone; the algorithms
+    latent cache (`MultiHeadLatentAttention`), and a paged cache, whose
+    call is ragged (`paged.py`). Five routes, all with the same numbers, chosen by `dispatch.cache_route` alone; the algorithms
     by `dispatch.choose_path`. Under `keras_mha.ContextParallel` a cache
     whose slots are sharded takes `slot_write` as `sharded.cached_decode`
     (each device reads its own slots):
@@ -115,6 +116,9 @@ def attend_cached(query, key, value, spec, cache, index, rolling,
     - `"whole_cache"`: keras-hub's cache, written, then read whole on the
       usual paths, the slots after the new tokens hidden (returned
       weights, dropout, a cache of one block).
+    - `"paged"`: a paged cache, with a `paged.RaggedBatch` as `index`:
+      the rows' tokens written into their pages, then each row attends
+      the pages it can see (`paged.attend`).
 
     Args:
         query: `(B, T, N, H)`.
@@ -141,6 +145,9 @@ def attend_cached(query, key, value, spec, cache, index, rolling,
         slots, then the new tokens), keras-hub's `(B, N, T, L)` (its slots
         after the write); the cache after the write, of the kind given.
     """
+    if paged.is_paged(cache):
+        output, new_cache = _paged(query, key, value, spec, cache, index)
+        return output, None, new_cache
     computed = heads is not None
     if heads is None:
         heads = cache_layouts.entry_heads(layout, query.dtype)
@@ -176,6 +183,17 @@ def attend_cached(query, key, value, spec, cache, index, rolling,
     )
     output, weights = attend(query, *_as_heads(heads, keys, values), spec)
     return output, weights, new_cache
+
+
+def _paged(query, key, value, spec, cache, batch):
+    """`attend_cached`'s `paged` route: the new tokens written into their
+    pages, then each row's queries attend the pages they can see."""
+    rows = paged.token_rows(batch, query.shape[1], paged.page_size(cache),
+                            paged.num_pages(cache))[0]
+    cache = paged.write(cache, key, value, rows)
+    items = paged.work_items(batch, paged.page_size(cache),
+                             paged.reach_of(spec))
+    return paged.attend(query, cache, batch, spec, items), cache
 
 
 def _as_heads(heads, key, value):

@@ -120,3 +120,35 @@ def _jax_starts(rank, axis, start):
     starts = [zero] * rank
     starts[axis] = jax.numpy.asarray(start, "int32")
     return tuple(starts)
+
+
+def write_rows(flat, rows, new):
+    """`new` `(n, ...)` written into rows `rows` `(n,)` of `flat` `(R,
+    ...)` in place: a paged cache's new slots (`paged.write`). torch's
+    `index_copy_`, TensorFlow's `InplaceUpdate` (`can_write_rows`).
+    Returns `flat`."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        with torch.no_grad():
+            flat.index_copy_(0, rows.to(torch.long), new.to(flat.dtype))
+        return flat
+    import tensorflow as tf
+
+    tf.raw_ops.InplaceUpdate(x=flat, i=rows, v=tf.cast(new, flat.dtype))
+    return flat
+
+
+def can_write_rows(tensor):
+    """Whether `write_rows` serves `tensor` now (`can_write_slots`'s
+    rule) on torch and TensorFlow; not on JAX, whose arrays a reshape
+    copies, nor on NumPy."""
+    import keras
+
+    if keras.backend.backend() not in ("torch", "tensorflow"):
+        return False
+    return can_write_slots(tensor)
+

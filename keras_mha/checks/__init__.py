@@ -7,7 +7,8 @@ also while a Functional model is built from `keras.Input`s. Where Keras's
 layer has a message for the same error, its wording is included.
 
 `arguments.py` checks constructor arguments, `inputs.py` a call's
-tensors, `cache.py` a decoding call's cache and index.
+tensors, `cache.py` a decoding call's cache and index, `paged.py` a paged
+cache and a ragged call.
 """
 
 from keras_mha.checks.arguments import positive_int
@@ -38,6 +39,7 @@ from keras_mha.checks.cache import cache_index
 from keras_mha.checks.cache import cache_call
 from keras_mha.checks.cache import cache_parts
 from keras_mha.checks.cache import cache_slots
+from keras_mha.checks.paged import paged_cache
 from keras_mha.checks.cache import cache_tensor
 
 __all__ = [

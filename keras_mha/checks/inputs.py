@@ -5,7 +5,9 @@ import inspect
 import keras
 import numpy as np
 
+from keras_mha.attention import paged as paged_lib
 from keras_mha.axes import AxesLayout
+from keras_mha.checks.paged import ragged_call
 from keras_mha.checks.arguments import dims_agree
 from keras_mha.checks.arguments import shape_and_dtype
 from keras_mha.checks.cache import cache_call
@@ -326,6 +328,16 @@ def call_arguments(
     Takes every argument of the call, by keyword; `training` needs no
     check.
     """
+    if paged_lib.is_paged(cache):  # a ragged call (`checks/paged.py`)
+        return ragged_call(
+            layer, query=query, value=value, key=key, cache=cache,
+            batch=cache_update_index, use_causal_mask=use_causal_mask,
+            query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+            attention_mask=attention_mask,
+            return_attention_scores=return_attention_scores,
+            attention_bias=attention_bias, segment_ids=segment_ids,
+            key_segment_ids=key_segment_ids,
+        )
     settings = layer.settings
     key = value if key is None else key
     shapes, layout = built_inputs(layer, query, value, key)
