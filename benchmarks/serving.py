@@ -21,7 +21,10 @@ The model is `tests/serving_model.py`'s `TinyLM` of our layers (the issue:
   pages, eager and compiled where the backend compiles (`jax.jit`,
   `tf.function(jit_compile=True)`);
 - a ragged decode step of 16 rows at 16 different positions against 16
-  one-row steps of the same rows.
+  one-row steps of the same rows;
+- a char-level `TinyLM` trained on this repository's README and docs
+  (`--train-steps`): its logits over 65 decode steps with an int8 cache
+  against a float cache, fed the same text.
 
 Prints one table row per cell; the numbers of a shared machine are
 indicative.
@@ -291,13 +294,69 @@ def _ragged(sizes, rows, repeats):
                  f"{apart / together:.1f}x", "target >= 8x"))
 
 
-def run(sizes, repeats=5, throughput=True):
+def _text():
+    """Real text: this repository's README and docs, as bytes."""
+    import glob
+
+    names = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(
+        os.path.join(ROOT, "docs", "*.md")))]
+    return np.frombuffer(b"".join(open(n, "rb").read() for n in names),
+                         "uint8").astype("int32")
+
+
+def _trained_logits(sizes, rows, steps):
+    """A char-level model of `TinyLM` trained on `_text()` for `steps`;
+    the logits of 64 decode steps over a dense float cache against an
+    int8 cache, fed the same tokens."""
+    import keras
+    from keras import ops
+
+    model = _model(sizes)
+    text = _text()
+    rng = np.random.default_rng(0)
+    length, batch = 64, 16
+    starts = rng.integers(0, len(text) - length - 1, (steps, batch))
+    x = np.stack([text[s:s + length] for s in starts.reshape(-1)])
+    y = np.stack([text[s + 1:s + length + 1] for s in starts.reshape(-1)])
+    model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    history = model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+    prompt = text[1000:1128][None]
+    logits = {}
+    for quantize in (None, "int8"):
+        caches = [layer.init_cache(1, 256, quantize=quantize)
+                  for layer in model.attention_layers]
+        tokens, index, steps_logits = prompt, 0, []
+        for t in range(65):
+            def attend(i, layer, h, index=index):
+                out, caches[i] = layer(h, h, use_causal_mask=True,
+                                       cache=caches[i],
+                                       cache_update_index=index)
+                return out
+
+            out = ops.convert_to_numpy(model._run(tokens, attend))[0, -1]
+            steps_logits.append(out)
+            index += tokens.shape[1]
+            tokens = text[1128 + t:1129 + t][None]  # the text's own next
+        logits[quantize] = np.stack(steps_logits)
+    error = np.abs(logits["int8"] - logits[None]).max() / np.abs(
+        logits[None]).max()
+    loss = history.history["loss"][-1]
+    rows.append((f"trained char-level LM (loss {loss:.2f} after {steps} "
+                 "steps): max |logits int8 - float| / max |logits|",
+                 f"{error:.4f}", "target <= 2e-2"))
+
+
+def run(sizes, repeats=5, throughput=True, train_steps=0):
     """`[(cell, value, note)]` on the active backend."""
     rows = []
     if throughput:
         _throughput(sizes, rows)
     _int8(sizes, rows, repeats)
     _ragged(sizes, rows, repeats)
+    if train_steps:
+        _trained_logits(sizes, rows, train_steps)
     return rows
 
 
@@ -309,11 +368,15 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-throughput", action="store_true",
                         help="leave the generate loops out")
+    parser.add_argument("--train-steps", type=int, default=300,
+                        help="training steps of the char-level model "
+                        "whose int8 logits are compared (0: none)")
     args = parser.parse_args(argv)
     import keras
 
     sizes = SMALL if args.small else MEDIUM if args.medium else ISSUE
-    rows = run(sizes, args.repeats, throughput=not args.no_throughput)
+    rows = run(sizes, args.repeats, throughput=not args.no_throughput,
+               train_steps=args.train_steps)
     print(f"| {keras.backend.backend()} | | |")
     print("|---|---|---|")
     for cell, value, note in rows:

@@ -136,11 +136,14 @@ def extra_result_specs(layer, query, value, key, *,
             )
         specs.append(keras.KerasTensor(scores_shape, dtype=layer.compute_dtype))
     if cache is not None:
-        parts = (None if part is None
-                 else keras.KerasTensor(part.shape, dtype=part.dtype)
-                 for part in cache)
-        specs.append(type(cache)(*parts) if paged_lib.is_paged(cache)
-                     else tuple(parts))
+        if paged_lib.is_paged(cache) or isinstance(cache,
+                                                   paged_lib.PagedRows):
+            specs.append(keras.tree.map_structure(
+                lambda part: keras.KerasTensor(part.shape, dtype=part.dtype),
+                cache))
+        else:
+            specs.append(tuple(keras.KerasTensor(part.shape, dtype=part.dtype)
+                               for part in cache))
     return specs
 
 

@@ -12,6 +12,7 @@ import inspect
 
 from keras_mha import checks
 from keras_mha import projections
+from keras_mha.attention import paged as paged_lib
 from keras_mha.private_names import KerasPrivateNames
 
 
@@ -20,9 +21,30 @@ class LayerHooks(KerasPrivateNames):
 
     def __call__(self, *args, **kwargs):
         checks.argument_kinds(self, args, kwargs)  # before Keras converts
+        if paged_lib.is_paged(kwargs.get("cache")) or isinstance(
+                kwargs.get("cache"), paged_lib.PagedRows):
+            kwargs["cache"] = Unconverted(kwargs["cache"])
         return super().__call__(*args, **kwargs)
 
     quantize = projections.quantize
+
+
+class Unconverted:
+    """A paged cache passed through Keras's `Layer.__call__` untouched:
+    Keras casts every float tensor of a call's arguments to the compute
+    dtype, which would turn float8 pages, and the float32 scales of a
+    half-precision layer, into it. `call` takes the cache out
+    (`unconverted`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def unconverted(value):
+    """`value`, taken out of its `Unconverted` box where it is in one."""
+    return value.value if isinstance(value, Unconverted) else value
 
 
 def call_arguments(call, check, layer, args, kwargs):
@@ -39,6 +61,8 @@ def call_arguments(call, check, layer, args, kwargs):
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     del arguments["self"]
+    if "cache" in arguments:
+        arguments["cache"] = unconverted(arguments["cache"])
     check(layer, **arguments)
     return arguments
 

@@ -354,6 +354,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
     ):
         if key is None:
             key = value
+        cache = hooks.unconverted(cache)
         paged = paged_lib.is_paged(cache)
         checks.call_arguments(
             self, query=query, value=value, key=key, query_mask=query_mask,
@@ -483,7 +484,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         """Whether `init_cache` makes a rolling buffer (a window, chunks)."""
         return self.settings.rolling_slots is not None
 
-    def init_cache(self, batch_size, max_length, in_place=False):
+    def init_cache(self, batch_size, max_length, in_place=False,
+                   quantize=None):
         """A zero key/value cache for decoding up to `max_length` tokens.
 
         Args:
@@ -494,6 +496,11 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             in_place: whether calls may write into this cache's own
                 tensors (see below). `False` (the default): the caller
                 owns the cache.
+            quantize: `None`, or `"int8"` / `"float8_e4m3fn"`: keys and
+                values stored quantized with one float32 scale per token
+                and key/value head, in pages (a
+                `keras_mha.attention.paged.PagedRows`, docs/serving.md).
+                Such a cache takes no token masks.
 
         Returns:
             `(keys, values, valid)` (see `keras_mha.attention.cache`):
@@ -518,6 +525,12 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         """
         slots = checks.cache_slots(self, batch_size, max_length, in_place)
         settings = self.settings
+        if quantize is not None:
+            checks.paged_cache(self, 1, 1, quantize, in_place)
+            return paged_lib.rows(
+                batch_size, max_length, slots, self.rolling_cache,
+                settings.num_key_value_heads, settings.key_dim,
+                settings.value_dim, self.compute_dtype, quantize, in_place)
         return distribution_lib.shard_cache(cache_lib.zeros(
             batch_size, slots, settings.num_key_value_heads, settings.key_dim,
             settings.value_dim, self.compute_dtype, in_place=in_place,
@@ -538,14 +551,12 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
                 `"float8_e4m3fn"`: values stored with one float32 scale
                 per token and key/value head.
             in_place: whether eager calls write the new slots into the
-                pool's own tensors (torch, TensorFlow) rather than
-                returning a new pool.
+                pool's own tensors (torch, TensorFlow).
 
         Returns:
-            A `keras_mha.attention.paged.PagedCache` (or
-            `InPlacePagedCache`). A call takes it as `cache`, with a
-            `RaggedBatch` as `cache_update_index`, and returns
-            `(output, cache)`.
+            A `keras_mha.attention.paged.PagedCache` (`InPlacePagedCache`)
+            that a call takes as `cache`, with a `RaggedBatch` as
+            `cache_update_index`; it returns `(output, cache)`.
         """
         checks.paged_cache(self, num_pages, page_size, quantize, in_place)
         settings = self.settings

@@ -13,8 +13,9 @@ import keras_mha
 from keras_mha.attention import paged
 
 
-class TinyLM:
-    """Embedding, `layers` pre-norm blocks (our attention, an MLP), a head.
+class TinyLM(keras.Model):
+    """Embedding, `layers` pre-norm blocks (our attention, an MLP), a head;
+    as a Keras model, the full pass (`fit` trains it).
 
     `attention`: more arguments of `keras_mha.MultiHeadAttention` (a
     window, chunks, soft-cap, sinks, ALiBi); RoPE unless `rotary=False`.
@@ -22,13 +23,14 @@ class TinyLM:
 
     def __init__(self, vocabulary=64, layers=2, heads=4, kv_heads=2,
                  head=16, seed=0, rotary=True, **attention):
+        super().__init__()
         keras.utils.set_random_seed(seed)
         width = heads * head
         self.vocabulary = vocabulary
         self.embedding = keras.layers.Embedding(vocabulary, width)
         self.blocks = []
         for _ in range(layers):
-            self.blocks.append((
+            self.blocks.append([
                 keras.layers.LayerNormalization(),
                 keras_mha.MultiHeadAttention(
                     num_heads=heads, key_dim=head,
@@ -38,7 +40,7 @@ class TinyLM:
                 keras.layers.LayerNormalization(),
                 keras.layers.Dense(2 * width, activation="gelu"),
                 keras.layers.Dense(width),
-            ))
+            ])
         self.norm = keras.layers.LayerNormalization()
         self.head = keras.layers.Dense(vocabulary)
         self.pools = None
@@ -57,6 +59,9 @@ class TinyLM:
             x = x + down(up(mlp_norm(x)))
         return self.head(self.norm(x))
 
+    def call(self, tokens):
+        return self.logits(tokens)
+
     def logits(self, tokens):
         """A full causal pass over `tokens` `(B, T)`."""
         return self._run(tokens, lambda i, layer, h: layer(
@@ -66,23 +71,23 @@ class TinyLM:
 
     def greedy_alone(self, prompt, new_tokens, max_length=32):
         """Greedy tokens of one prompt, decoded alone with dense caches of
-        `max_length` slots (one size for every prompt: a backend that
-        compiles per shape compiles once)."""
+        `max_length` slots, a token a call (one shape for every prompt: a
+        backend that compiles per shape compiles once)."""
         caches = [layer.init_cache(1, max_length)
                   for layer in self.attention_layers]
-        tokens, generated, index = np.asarray([prompt], "int32"), [], 0
-        for _ in range(new_tokens):
+        fed, generated = list(prompt), []
+        for index in range(len(prompt) + new_tokens - 1):
             def attend(i, layer, h):
                 out, caches[i] = layer(h, h, use_causal_mask=True,
                                        cache=caches[i],
                                        cache_update_index=index)
                 return out
 
-            logits = self._run(tokens, attend)
-            index += tokens.shape[1]
-            generated.append(int(np.argmax(ops.convert_to_numpy(
-                logits[0, -1]))))
-            tokens = np.asarray([[generated[-1]]], "int32")
+            logits = self._run(np.asarray([[fed[index]]], "int32"), attend)
+            if index >= len(prompt) - 1:
+                generated.append(int(np.argmax(ops.convert_to_numpy(
+                    logits[0, -1]))))
+                fed.append(generated[-1])
         return generated
 
     # ------------------------------------------------------ paged caches

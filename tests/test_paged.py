@@ -129,7 +129,7 @@ def test_window_work_skips_the_pages_it_cannot_see():
     batch = paged.RaggedBatch(np.arange(12, dtype="int32").reshape(2, 6),
                               np.array([9, 4], "int32"),
                               np.array([1, 0], "int32"))
-    rows, pages, grid = paged.work_items(batch, 2, paged.reach_of(spec))
+    rows, pages, grid = paged.work_items(batch, 2, paged.reach_of(spec), 1)
     rows, pages = to_numpy(rows), to_numpy(pages)
     assert not grid
     live = rows < 2
@@ -230,6 +230,71 @@ def test_quantized_pages_match_float64_over_the_same_quantization(
         expected = np.einsum("nts,snv->tnv", weights, vv)
         np.testing.assert_allclose(to_numpy(out)[r, :length], expected,
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("storage", sorted(paged.QUANTIZED))
+@pytest.mark.parametrize("rolling", [False, True])
+def test_quantized_dense_and_rolling_caches_match_float64(rng, storage,
+                                                          rolling):
+    """`init_cache(..., quantize=...)`'s cache (`paged.PagedRows`): a
+    7-token prompt, then one token at a time to 14, against float64 over
+    the same quantization. Rolling: a causal window of 3, 4 slots, the
+    prompt written a page at a time and the pages reused in turn."""
+    if not _has(storage):
+        pytest.skip(f"{BACKEND} has no {storage}")
+    q = rng.normal(size=(2, 14, 4, 8)).astype("float32")
+    k = rng.normal(size=(2, 14, 2, 8)).astype("float32") * 3
+    v = rng.normal(size=(2, 14, 2, 8)).astype("float32")
+    window = (2, 0) if rolling else None
+    cache = paged.rows(2, 14, 3 if rolling else 14, rolling, 2, 8, 8,
+                       "float32", quantize=storage)
+    spec = attention_spec(8, window=window, causal=True)
+    outputs = []
+    for start, stop in [(0, 7)] + [(t, t + 1) for t in range(7, 14)]:
+        out, _, cache = attend_cached(q[:, start:stop], k[:, start:stop],
+                                      v[:, start:stop], spec, cache, start,
+                                      rolling)
+        outputs.append(to_numpy(out))
+    keys = np.repeat(_quantized(k.astype("float64"), storage), 2, axis=2)
+    values = np.repeat(_quantized(v.astype("float64"), storage), 2, axis=2)
+    logits = np.einsum("btnh,bsnh->bnts", q, keys) / np.sqrt(8)
+    position = np.arange(14)
+    allowed = position[None, :] <= position[:, None]
+    if rolling:
+        allowed &= position[None, :] > position[:, None] - 3
+    logits = np.where(allowed, logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    expected = np.einsum("bnts,bsnv->btnv", weights, values)
+    np.testing.assert_allclose(np.concatenate(outputs, 1), expected,
+                               atol=1e-5, rtol=1e-5)
+    if rolling:  # 3 keys back and a page of writes: 3 pages of 3 a row
+        assert tuple(cache.pool.keys.shape[:2]) == (2 * 3 + 1, 3)
+
+
+def test_a_quantized_cache_decodes_as_the_layer_does(rng):
+    """The layer's decode over an int8 cache stays within 2% of its full
+    pass (int8's rounding; the exact computation is the test above), and
+    an index past its pages is named."""
+    x = rng.normal(size=(ROWS, LENGTH, FEATURES)).astype("float32")
+    layer = _layer(x, sliding_window=4,
+                   rotary_embedding=keras_mha.RotaryEmbedding())
+    cache = layer.init_cache(ROWS, LENGTH, quantize="int8")
+    assert isinstance(cache, paged.PagedRows)
+    out, cache = layer(x[:, :WIDTH], x[:, :WIDTH], use_causal_mask=True,
+                       cache=cache, cache_update_index=0)
+    outputs = [to_numpy(out)]
+    for t in range(WIDTH, LENGTH):
+        out, cache = layer(x[:, t:t + 1], x[:, t:t + 1],
+                           use_causal_mask=True, cache=cache,
+                           cache_update_index=t)
+        outputs.append(to_numpy(out))
+    full = to_numpy(layer(x, x, use_causal_mask=True))
+    error = np.abs(np.concatenate(outputs, 1) - full).max()
+    assert 0 < error < 0.02 * np.abs(full).max()  # int8's, not float's
+    with pytest.raises(ValueError, match="out of range"):
+        layer(x[:, :1], x[:, :1], use_causal_mask=True, cache=cache,
+              cache_update_index=LENGTH + 4)
 
 
 def test_quantized_int8_pool_bytes():

@@ -36,6 +36,8 @@ from keras import ops
 from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import cache_layouts
 from keras_mha.attention import decode
+from keras_mha.attention import capabilities
+from keras_mha.attention import decode_kernels
 from keras_mha.attention import dispatch
 from keras_mha.attention import paged
 from keras_mha.attention import sharded
@@ -148,6 +150,10 @@ def attend_cached(query, key, value, spec, cache, index, rolling,
     if paged.is_paged(cache):
         output, new_cache = _paged(query, key, value, spec, cache, index)
         return output, None, new_cache
+    if isinstance(cache, paged.PagedRows):
+        output, new_cache = _paged_rows(query, key, value, spec, cache,
+                                        index, rolling)
+        return output, None, new_cache
     computed = heads is not None
     if heads is None:
         heads = cache_layouts.entry_heads(layout, query.dtype)
@@ -192,8 +198,29 @@ def _paged(query, key, value, spec, cache, batch):
                             paged.num_pages(cache))[0]
     cache = paged.write(cache, key, value, rows)
     items = paged.work_items(batch, paged.page_size(cache),
-                             paged.reach_of(spec))
+                             paged.reach_of(spec), query.shape[1])
+    if capabilities.compiles_eager_call((query, cache)):
+        return decode_kernels.graph_paged(paged.attend, query, cache, batch,
+                                          spec, items), cache
     return paged.attend(query, cache, batch, spec, items), cache
+
+
+def _paged_rows(query, key, value, spec, cache, index, rolling):
+    """`attend_cached`'s `paged` route for a dense or rolling cache kept
+    in pages (`paged.PagedRows`): every row writes the call's tokens from
+    `index`, a rolling cache's a page at a time."""
+    length = query.shape[1]
+    chunk = paged.row_chunk(cache, rolling, length)
+    pool, outputs = cache.pool, []
+    for start in range(0, length, chunk):
+        stop = min(start + chunk, length)
+        batch = paged.rows_batch(cache, ops.cast(index, "int32") + start,
+                                 stop - start)
+        output, pool = _paged(query[:, start:stop], key[:, start:stop],
+                              value[:, start:stop], spec, pool, batch)
+        outputs.append(output)
+    output = outputs[0] if len(outputs) == 1 else ops.concatenate(outputs, 1)
+    return output, paged.PagedRows(pool, cache.page_table)
 
 
 def _as_heads(heads, key, value):

@@ -52,8 +52,6 @@ def graph_decode(step, query, cache, spec, rolling, block_size, layout,
 @functools.lru_cache(maxsize=64)
 def _graph_decode_function(step, scale, causal, window, chunk, soft_cap,
                            alibi, rolling, block_size, layout):
-    import keras
-
     from keras_mha.attention.spec import AttentionSpec
 
     def run(query, cache, offset, limit, query_mask, attention_mask, sinks):
@@ -66,6 +64,13 @@ def _graph_decode_function(step, scale, causal, window, chunk, soft_cap,
         return step(query, cache, spec, rolling, block_size, layout, limit,
                     implementation="portable")
 
+    return _graph(run)
+
+
+def _graph(run):
+    """`run` as one compiled function: `jax.jit` or `tf.function`."""
+    import keras
+
     if keras.backend.backend() == "jax":
         import jax
 
@@ -73,6 +78,40 @@ def _graph_decode_function(step, scale, causal, window, chunk, soft_cap,
     import tensorflow as tf
 
     return tf.function(run)
+
+
+def graph_paged(attend, query, cache, batch, spec, items):
+    """TensorFlow and JAX, eager: a ragged call's attention (`attend`,
+    `paged.attend`) as one compiled function, traced once per geometry
+    (rows, tokens, work items, pool) and spec, as `graph_decode` compiles
+    the dense step: run op by op, each of its few dozen operations pays
+    Python's dispatch, and on JAX each is compiled for every new shape."""
+    from keras import ops
+
+    from keras_mha.attention.paged import RaggedBatch
+
+    rows, pages, grid = items
+    sinks = None if spec.sinks is None else ops.convert_to_tensor(spec.sinks)
+    batch = RaggedBatch(*(ops.convert_to_tensor(part, "int32")
+                          for part in batch))
+    function = _graph_paged_function(attend, spec.scale, spec.window,
+                                     spec.chunk, spec.soft_cap, spec.alibi,
+                                     grid)
+    return function(query, cache, batch, sinks, rows, pages)
+
+
+@functools.lru_cache(maxsize=64)
+def _graph_paged_function(attend, scale, window, chunk, soft_cap, alibi,
+                          grid):
+    from keras_mha.attention.spec import AttentionSpec
+
+    def run(query, cache, batch, sinks, rows, pages):
+        spec = AttentionSpec(scale=scale, causal=True, window=window,
+                             chunk=chunk, soft_cap=soft_cap, alibi=alibi,
+                             sinks=sinks)
+        return attend(query, cache, batch, spec, (rows, pages, grid))
+
+    return _graph(run)
 
 
 def decode_core(q, keys, values, mask, alibi=None, sinks=None,

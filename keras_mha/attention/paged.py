@@ -79,9 +79,58 @@ class RaggedBatch(typing.NamedTuple):
     lengths: typing.Any
 
 
+class PagedRows(typing.NamedTuple):
+    """A dense or rolling cache of `B` sequences kept in pages (a
+    quantized one: `init_cache(..., quantize=...)`): `pool`, a
+    `PagedCache`, and `page_table` `(B, M)`, each row's fixed pages. A
+    rolling cache's rows reuse their pages in turn: page `i` of row `b` is
+    its `i mod n`-th, `n` pages holding a window and a chunk of writes."""
+
+    pool: typing.Any
+    page_table: typing.Any
+
+
 def is_paged(cache):
     """Whether `cache` is a paged cache (either kind)."""
     return isinstance(cache, (PagedCache, InPlacePagedCache))
+
+
+def rows(batch_size, max_length, slots, rolling, num_kv_heads, key_dim,
+         value_dim, dtype, quantize=None, in_place=False):
+    """An empty `PagedRows` for `batch_size` sequences of up to
+    `max_length` tokens; `slots`: the rolling cache's (`w` or `C`) when
+    `rolling`, else `max_length`. Pages of `ROW_PAGE` slots (fewer for a
+    short cache)."""
+    size = min(ROW_PAGE, slots)
+    width = -(-max_length // size)
+    # A rolling row's writes go `size` tokens at a time (`row_chunk`), so
+    # `slots - 1` keys back and `size` new ones must sit on distinct pages.
+    per_row = -(-(slots - 1 + size) // size) + 1 if rolling else width
+    table = (np.arange(batch_size)[:, None] * per_row
+             + np.arange(width)[None] % per_row).astype("int32")
+    pool = zeros(batch_size * per_row, size, num_kv_heads, key_dim,
+                 value_dim, dtype, quantize=quantize, in_place=in_place)
+    return PagedRows(pool, ops.convert_to_tensor(table))
+
+
+ROW_PAGE = 16
+
+
+def rows_batch(cache, index, length):
+    """The `RaggedBatch` of a call on a `PagedRows` writing `length`
+    tokens of every row from position `index`."""
+    num_rows = cache.page_table.shape[0]
+    index = ops.cast(index, "int32")
+    return RaggedBatch(cache.page_table,
+                       ops.zeros((num_rows,), "int32") + index,
+                       ops.full((num_rows,), length, "int32"))
+
+
+def row_chunk(cache, rolling, length):
+    """The most tokens one write-and-attend takes on a `PagedRows`: a
+    rolling row's page size (so a window's pages are never overwritten
+    while read), else all `length`."""
+    return page_size(cache.pool) if rolling else length
 
 
 def zeros(num_pages, page_size, num_kv_heads, key_dim, value_dim, dtype,
@@ -248,29 +297,36 @@ def concrete(batch):
         return None
 
 
-def work_items(batch, size, reach):
-    """`(rows, pages, grid)`: the work items of a call, `rows` and
-    `pages` int32 `(W,)`, row `r`'s page `i` for each page whose slots
-    its queries may see; a dead item has row `R` (one past the last).
-    `reach(first_position)` -> the earliest position any query of a row
-    starting there may see (a window's or chunk's start), or `None` (every
-    position). Traced, every entry of the page table is an item, in
-    order, and `grid` is true: the items are an `(R, M)` grid."""
+def work_items(batch, size, reach, length):
+    """`(rows, pages, grid)`: the work items of a call of `length` (`T`)
+    tokens, `rows` and `pages` int32 `(W,)`, row `r`'s page `i` for each
+    page whose slots its queries may see; a dead item has row `R` (one
+    past the last) or a page past the table. `reach`: `reach_of(spec)`.
+
+    Eager, the items are listed, live ones only. Traced, they are an `(R,
+    span)` grid, in order (`grid` true): every page of the table, or with
+    a window or chunks the `span` pages from each row's first visible one,
+    so a compiled call's cost follows the window, not the table."""
     table = batch.page_table
     num_rows, width = table.shape[0], table.shape[1]
     values = concrete(batch)
     if values is None:
-        grid = ops.arange(num_rows * width, dtype="int32")
-        return grid // width, grid % width, True
+        span = width if reach is None else min(
+            width, -(-(reach[1] + length) // size) + 1)
+        grid = ops.arange(num_rows * span, dtype="int32")
+        rows, pages = grid // span, grid % span
+        if reach is not None:
+            first = reach[0](ops.cast(batch.positions, "int32"), ops) // size
+            pages = pages + ops.take(first, rows)
+        return rows, pages, True
     starts, counts = (np.asarray(x, "int64") for x in values[1:])
+    firsts = np.zeros_like(starts) if reach is None else reach[0](
+        starts, np) // size
     rows, pages = [], []
-    for r in range(num_rows):
-        if counts[r] == 0:
-            continue
-        end = -(-(starts[r] + counts[r]) // size)  # pages written through
-        first = 0 if reach is None else max(reach(int(starts[r])), 0) // size
-        pages.extend(range(first, min(end, width)))
-        rows.extend([r] * (min(end, width) - first))
+    for r in np.nonzero(counts)[0]:
+        end = min(-(-(starts[r] + counts[r]) // size), width)
+        pages.extend(range(firsts[r], end))
+        rows.extend([r] * (end - firsts[r]))
     total = max(1, 1 << max(len(rows) - 1, 0).bit_length())
     rows += [num_rows] * (total - len(rows))
     pages += [0] * (total - len(pages))
@@ -279,19 +335,25 @@ def work_items(batch, size, reach):
 
 
 def reach_of(spec):
-    """The function `work_items` takes for `spec`'s window or chunk."""
+    """`None` (every position visible), or `(reach, back)` for `spec`'s
+    window or chunk: `reach(starts, xp)` the earliest position a query
+    of a row starting at `starts` may see (`xp`: `numpy` or
+    `keras.ops`), `back` how far before a query that can be."""
     left = None if spec.window is None else spec.window[0]
     chunk = spec.chunk
+    if left is None and chunk is None:
+        return None
 
-    def reach(start):
-        earliest = 0
-        if left is not None:
-            earliest = max(earliest, start - left)
+    def reach(starts, xp):
+        earliest = starts * 0 if left is None else xp.maximum(
+            starts - left, 0)
         if chunk is not None:
-            earliest = max(earliest, (start // chunk) * chunk)
+            earliest = xp.maximum(earliest, (starts // chunk) * chunk)
         return earliest
 
-    return None if left is None and chunk is None else reach
+    back = min(x for x in (left, None if chunk is None else chunk - 1)
+               if x is not None)
+    return reach, back
 
 
 def attend(query, cache, batch, spec, items):
@@ -316,8 +378,9 @@ def attend(query, cache, batch, spec, items):
     width = table.shape[1]
     physical = ops.take(ops.reshape(table, (-1,)),
                         row * width + ops.minimum(logical, width - 1))
-    valid_page = ops.logical_and(live_row, ops.logical_and(
-        physical >= 0, physical < num_pages(cache)))
+    valid_page = ops.logical_and(
+        ops.logical_and(live_row, logical < width),
+        ops.logical_and(physical >= 0, physical < num_pages(cache)))
     physical = ops.where(valid_page, physical, num_pages(cache))
     # (W, Z, K, H), (W, Z, K, V); quantized, their scales `(W, K, 1, 1,
     # Z)` multiply the scores and the weights instead (`_scaled`).

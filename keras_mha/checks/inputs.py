@@ -11,6 +11,7 @@ from keras_mha.checks.paged import ragged_call
 from keras_mha.checks.arguments import dims_agree
 from keras_mha.checks.arguments import shape_and_dtype
 from keras_mha.checks.cache import cache_call
+from keras_mha.checks.cache import cache_index
 
 # A call's array arguments (`cache` apart: a tuple of them, or one tensor).
 ARRAY_ARGUMENTS = (
@@ -328,6 +329,13 @@ def call_arguments(
     Takes every argument of the call, by keyword; `training` needs no
     check.
     """
+    if isinstance(cache, paged_lib.PagedRows):  # quantized, in pages
+        length = query.shape[1]
+        cache_index(cache_update_index, length,
+                    cache.page_table.shape[1] * cache.pool.keys.shape[1],
+                    False)
+        cache, cache_update_index = cache.pool, paged_lib.rows_batch(
+            cache, cache_update_index, length)
     if paged_lib.is_paged(cache):  # a ragged call (`checks/paged.py`)
         return ragged_call(
             layer, query=query, value=value, key=key, cache=cache,

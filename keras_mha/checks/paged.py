@@ -155,7 +155,7 @@ def _batch_values(layer, cache, values, length):
     writers = {}
     for row in np.nonzero(lengths)[0]:
         end = int(positions[row] + lengths[row])
-        first = 0 if reach is None else max(reach(int(positions[row])), 0)
+        first = 0 if reach is None else int(reach[0](positions[row], np))
         needed = range(first // size, -(-end // size))
         if needed.stop > table.shape[1] or np.any(table[row, needed] < 0):
             raise ValueError(
