@@ -16,10 +16,12 @@ from keras_mha import describe as describe_lib
 from keras_mha import distribution as distribution_lib
 from keras_mha import hooks
 from keras_mha import projections
+from keras_mha import serving
 from keras_mha import properties
 from keras_mha import settings as settings_lib
 from keras_mha.attention import latent as latent_lib
 from keras_mha.attention import masks as masks_lib
+from keras_mha.attention import paged as paged_lib
 from keras_mha.attention import spec as spec_lib
 
 # The constructor's settings, fields of `layer.settings`: the config's
@@ -285,6 +287,7 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
         cache=None,
         cache_update_index=None,
     ):
+        cache = hooks.unconverted(cache)
         latent_checks.call(
             self, query=query, value=value, key=key, query_mask=query_mask,
             value_mask=value_mask, key_mask=key_mask,
@@ -310,11 +313,14 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
         rope_keys = _zero_padding(rope_keys, key_tokens)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
         rotary = settings.rotary_embedding
+        paged = paged_lib.is_paged(cache)
         if rotary is not None:
-            start = 0 if cache is None else cache_update_index
-            q_rope = rotary(q_rope, start_index=start)
+            start = 0 if cache is None or paged else cache_update_index
+            at = paged_lib.token_positions(cache_update_index, q) if paged \
+                else None  # a ragged call's rows at their own positions
+            q_rope = rotary(q_rope, start_index=start, positions=at)
             rope_keys = rotary(
-                rope_keys[:, :, None], start_index=start
+                rope_keys[:, :, None], start_index=start, positions=at
             )[:, :, 0]  # (B, S, P)
         dense_mask = None
         if attention_mask is not None:
@@ -329,7 +335,7 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
             return_attention_scores=return_attention_scores,
             seed=getattr(self._dropout_layer, "seed_generator", None),
         )
-        how = latent_lib.computation(
+        how = latent_lib.ABSORBED if paged else latent_lib.computation(
             spec, q.shape[1], cache=cache is not None,
             index=cache_update_index, rolling=self.rolling_cache,
             absorbable=self._kv_b.quantization_mode is None,
@@ -402,6 +408,16 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
         return distribution_lib.shard_cache(latent_lib.zeros(
             batch_size, slots, self.settings.kv_lora_rank,
             self.settings.qk_rope_head_dim, self.compute_dtype, in_place))
+
+    def init_paged_cache(self, num_pages, page_size, quantize=None,
+                         in_place=False):
+        """An empty paged cache, as `MultiHeadAttention.init_paged_cache`
+        makes one: pages of one head, `[latent, rope_key]` (`kv_lora_rank
+        + qk_rope_head_dim` features), whose first `kv_lora_rank` are read
+        as the values; no value pages. A ragged call runs the absorbed
+        computation (docs/serving.md)."""
+        return serving.paged_cache(self, num_pages, page_size, quantize,
+                                   in_place)
 
     # ----------------------------------------------------------------- shapes
 

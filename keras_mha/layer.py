@@ -16,6 +16,7 @@ from keras_mha import heads as heads_lib
 from keras_mha import hooks
 from keras_mha import projections
 from keras_mha import properties
+from keras_mha import serving
 from keras_mha import settings as settings_lib
 from keras_mha.attention import attend
 from keras_mha.attention import attend_cached
@@ -558,13 +559,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             that a call takes as `cache`, with a `RaggedBatch` as
             `cache_update_index`; it returns `(output, cache)`.
         """
-        checks.paged_cache(self, num_pages, page_size, quantize, in_place)
-        settings = self.settings
-        return paged_lib.zeros(
-            num_pages, page_size, settings.num_key_value_heads,
-            settings.key_dim, settings.value_dim, self.compute_dtype,
-            quantize=quantize, in_place=in_place,
-        )
+        return serving.paged_cache(self, num_pages, page_size, quantize,
+                                   in_place)
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         key_shape = value_shape if key_shape is None else key_shape

@@ -19,7 +19,20 @@ import collections
 import numpy as np
 
 from keras_mha import checks
+from keras_mha.attention import paged
 from keras_mha.attention.paged import RaggedBatch
+
+
+def paged_cache(layer, num_pages, page_size, quantize, in_place):
+    """`init_paged_cache` of either attention layer: its arguments
+    checked, its pages (`checks.pool_shapes`)."""
+    checks.paged_cache(layer, num_pages, page_size, quantize, in_place)
+    (heads, key_size), values = checks.pool_shapes(layer)
+    return paged.zeros(
+        num_pages, page_size, heads, key_size,
+        None if values is None else values[1], layer.compute_dtype,
+        quantize=quantize, in_place=in_place,
+    )
 
 
 class PoolExhausted(RuntimeError):

@@ -95,6 +95,28 @@ def test_ragged_rows_match_the_full_pass(rng, feature):
     _assert_rows_match_full_pass(layer, x, outputs)
 
 
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_latent_ragged_rows_match_the_full_pass(rng, quantize):
+    """`MultiHeadLatentAttention`'s pages hold `[latent, rope_key]` once
+    (no value pages); its ragged call, absorbed, matches its full pass
+    (int8: within its rounding)."""
+    x = rng.normal(size=(ROWS, LENGTH, FEATURES)).astype("float32")
+    layer = keras_mha.MultiHeadLatentAttention(
+        num_heads=4, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+        v_head_dim=4, rotary_embedding=keras_mha.RotaryEmbedding())
+    layer.build(x.shape, x.shape)
+    pool = layer.init_paged_cache(24, 2, quantize=quantize)
+    assert pool.values is None and tuple(pool.keys.shape[2:]) == (1, 12)
+    outputs, _ = _run(layer, x, _table(rng), pool)
+    if quantize is None:
+        _assert_rows_match_full_pass(layer, x, outputs)
+    else:
+        full = to_numpy(layer(x, x, use_causal_mask=True))
+        error = max(np.abs(o - full[r, : len(o)]).max()
+                    for r, o in enumerate(outputs))
+        assert 0 < error < 0.02 * np.abs(full).max()
+
+
 def test_a_window_frees_pages_that_others_then_write(rng):
     """Row 0's pages outside its window are freed after each step and
     handed to row 2, which writes them; row 0 still matches."""

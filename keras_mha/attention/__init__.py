@@ -95,7 +95,7 @@ def attend(query, key, value, spec):
 
 
 def attend_cached(query, key, value, spec, cache, index, rolling,
-                  layout=cache_layouts.FLAGGED, heads=None):
+                  layout=cache_layouts.FLAGGED, heads=None, value_size=None):
     """Attention of a decoding call, and the cache after its write.
 
     The one cached call of every layer and cache layout (`cache_layouts`):
@@ -140,6 +140,9 @@ def attend_cached(query, key, value, spec, cache, index, rolling,
             (the cache's tensors but `valid`, `(B, S, ...)`) returning the
             keys `(B, S, K, H)` and values `(B, S, K, V)`: the latent cache
             up-projected, which is never read where it lies.
+        value_size: a paged cache without value pages (the latent
+            layer's) reads its values as the keys' first `value_size`
+            features; `value` is then `None`.
 
     Returns:
         `(output, weights, new_cache)`: `(B, T, N, V)`; when
@@ -148,7 +151,8 @@ def attend_cached(query, key, value, spec, cache, index, rolling,
         after the write); the cache after the write, of the kind given.
     """
     if paged.is_paged(cache):
-        output, new_cache = _paged(query, key, value, spec, cache, index)
+        output, new_cache = _paged(query, key, value, spec, cache, index,
+                                   value_size)
         return output, None, new_cache
     if isinstance(cache, paged.PagedRows):
         output, new_cache = _paged_rows(query, key, value, spec, cache,
@@ -191,18 +195,21 @@ def attend_cached(query, key, value, spec, cache, index, rolling,
     return output, weights, new_cache
 
 
-def _paged(query, key, value, spec, cache, batch):
+def _paged(query, key, value, spec, cache, batch, value_size=None):
     """`attend_cached`'s `paged` route: the new tokens written into their
-    pages, then each row's queries attend the pages they can see."""
+    pages, then each row's queries attend the pages they can see. A pool
+    without value pages (the latent layer's) reads its values as the keys'
+    first `value_size` features, and `value` is `None`."""
     rows = paged.token_rows(batch, query.shape[1], paged.page_size(cache),
                             paged.num_pages(cache))[0]
     cache = paged.write(cache, key, value, rows)
     items = paged.work_items(batch, paged.page_size(cache),
                              paged.reach_of(spec), query.shape[1])
+    value_size = None if cache.values is not None else value_size
     if capabilities.compiles_eager_call((query, cache)):
         return decode_kernels.graph_paged(paged.attend, query, cache, batch,
-                                          spec, items), cache
-    return paged.attend(query, cache, batch, spec, items), cache
+                                          spec, items, value_size), cache
+    return paged.attend(query, cache, batch, spec, items, value_size), cache
 
 
 def _paged_rows(query, key, value, spec, cache, index, rolling):

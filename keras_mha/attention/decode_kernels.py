@@ -80,7 +80,7 @@ def _graph(run):
     return tf.function(run)
 
 
-def graph_paged(attend, query, cache, batch, spec, items):
+def graph_paged(attend, query, cache, batch, spec, items, value_size):
     """TensorFlow and JAX, eager: a ragged call's attention (`attend`,
     `paged.attend`) as one compiled function, traced once per geometry
     (rows, tokens, work items, pool) and spec, as `graph_decode` compiles
@@ -96,20 +96,21 @@ def graph_paged(attend, query, cache, batch, spec, items):
                           for part in batch))
     function = _graph_paged_function(attend, spec.scale, spec.window,
                                      spec.chunk, spec.soft_cap, spec.alibi,
-                                     grid)
+                                     grid, value_size)
     return function(query, cache, batch, sinks, rows, pages)
 
 
 @functools.lru_cache(maxsize=64)
 def _graph_paged_function(attend, scale, window, chunk, soft_cap, alibi,
-                          grid):
+                          grid, value_size):
     from keras_mha.attention.spec import AttentionSpec
 
     def run(query, cache, batch, sinks, rows, pages):
         spec = AttentionSpec(scale=scale, causal=True, window=window,
                              chunk=chunk, soft_cap=soft_cap, alibi=alibi,
                              sinks=sinks)
-        return attend(query, cache, batch, spec, (rows, pages, grid))
+        return attend(query, cache, batch, spec, (rows, pages, grid),
+                      value_size)
 
     return _graph(run)
 

@@ -44,6 +44,7 @@ from keras_mha.attention import cache as cache_lib
 from keras_mha.attention import cache_layouts
 from keras_mha.attention import dispatch
 from keras_mha.attention import overrides
+import keras_mha.attention.paged as paged_lib
 
 EXPANDED = "expanded"
 ABSORBED = "absorbed"
@@ -188,6 +189,12 @@ def latent_attention(q_nope, q_rope, latents, rope_keys, spec, up_project,
                         if heads is None else heads(latents, rope_keys))
         context, weights = attention_lib.attend(query, keys, values, spec)
         new_cache = None
+    elif paged_lib.is_paged(cache):  # pages of `[latent, rope_key]`
+        keys = latent_head(latents, rope_keys, dtype)[0]
+        context, weights, new_cache = attention_lib.attend_cached(
+            query, keys, None, spec, cache, index, rolling,
+            value_size=latents.shape[-1],
+        )
     else:
         context, weights, new_cache = attention_lib.attend_cached(
             query, latents, rope_keys, spec, cache, index, rolling,

@@ -23,7 +23,7 @@ new keys and values into their pages (quantized, where the cache is), then
 attends. The attention runs over work items, one per (row, page) a row's
 queries can see: a row's pages from the first its window or chunk reaches
 to the last it has written. Each item's scores are those of one page, and
-the items of a row are combined by a softmax over segments, so a call costs
+the items of a row are combined by one softmax over them, so a call costs
 what its rows attend, never the pool's size or its longest row. Quantized
 pages are read as stored, item by item: their scales multiply the
 scores and the weights, never a dequantized copy of the cache.
@@ -136,16 +136,23 @@ def row_chunk(cache, rolling, length):
 def zeros(num_pages, page_size, num_kv_heads, key_dim, value_dim, dtype,
           quantize=None, in_place=False):
     """An empty pool of `num_pages` pages of `page_size` slots (and the
-    scratch page); `quantize`: `None`, `"int8"` or `"float8_e4m3fn"`."""
+    scratch page); `quantize`: `None`, `"int8"` or `"float8_e4m3fn"`.
+    `value_dim=None`: no value pages, the values being the keys' first
+    features (the latent layer's: keys `[latent, rope_key]`, values the
+    latents)."""
     rows = (num_pages + 1, page_size, num_kv_heads)
     store = dtype if quantize is None else quantize
+    shared = value_dim is None  # the values are the keys' first features
     tensors = [ops.zeros(rows + (key_dim,), store),
-               ops.zeros(rows + (value_dim,), store)]
+               None if shared else ops.zeros(rows + (value_dim,), store)]
     if quantize is not None:
-        tensors += [ops.ones(rows, "float32"), ops.ones(rows, "float32")]
-    if in_place and all(cache_kernels.can_write_rows(t) for t in tensors):
-        return InPlacePagedCache(*tensors)
-    return PagedCache(*tensors)
+        tensors += [ops.ones(rows, "float32"),
+                    None if shared else ops.ones(rows, "float32")]
+    kind = PagedCache
+    if in_place and all(cache_kernels.can_write_rows(t) for t in tensors
+                        if t is not None):
+        kind = InPlacePagedCache
+    return kind(*tensors)
 
 
 def num_pages(cache):
@@ -216,7 +223,11 @@ def write(cache, keys, values, rows):
     for new_tokens, pool, scales in ((keys, cache.keys, cache.key_scales),
                                      (values, cache.values,
                                       cache.value_scales)):
-        if storage is None:
+        if pool is None:  # values read from the keys
+            new.append((None, None))
+            if storage is not None:
+                new.append((None, None))
+        elif storage is None:
             new.append((ops.cast(new_tokens, pool.dtype), pool))
         else:
             quantized, token_scales = quantize(new_tokens, storage)
@@ -224,8 +235,10 @@ def write(cache, keys, values, rows):
             new.append((token_scales, scales))
     in_place = isinstance(cache, InPlacePagedCache) and not (
         capabilities.compiling_one_graph()) and all(
-            cache_kernels.can_write_rows(pool) for _, pool in new)
-    written = [_write_rows(pool, tokens, flat_rows, in_place)
+            cache_kernels.can_write_rows(pool) for _, pool in new
+            if pool is not None)
+    written = [None if pool is None else
+               _write_rows(pool, tokens, flat_rows, in_place)
                for tokens, pool in new]
     if storage is None:
         written += [None, None]
@@ -356,7 +369,7 @@ def reach_of(spec):
     return reach, back
 
 
-def attend(query, cache, batch, spec, items):
+def attend(query, cache, batch, spec, items, value_size=None):
     """`(R, T, N, V)`: each row's queries attending its pages after the
     call's write, in the query's dtype; padded queries get 0.
 
@@ -367,6 +380,8 @@ def attend(query, cache, batch, spec, items):
         spec: the call's `AttentionSpec` (scale, window, chunk, soft-cap,
             sinks, ALiBi); causal.
         items: `work_items`' `(rows, pages, grid)`.
+        value_size: for a pool without value pages, `V`: the values are
+            the keys' first `V` features.
     """
     rows, logical, grid = items
     num_rows, length, heads, _ = query.shape
@@ -385,9 +400,12 @@ def attend(query, cache, batch, spec, items):
     # (W, Z, K, H), (W, Z, K, V); quantized, their scales `(W, K, 1, 1,
     # Z)` multiply the scores and the weights instead (`_scaled`).
     keys = ops.cast(ops.take(cache.keys, physical, axis=0), dtype)
-    values = ops.cast(ops.take(cache.values, physical, axis=0), dtype)
     key_scales = _scales(cache.key_scales, physical, dtype)
-    value_scales = _scales(cache.value_scales, physical, dtype)
+    if cache.values is None:
+        values, value_scales = keys[..., :value_size], key_scales
+    else:
+        values = ops.cast(ops.take(cache.values, physical, axis=0), dtype)
+        value_scales = _scales(cache.value_scales, physical, dtype)
     starts = ops.take(ops.cast(batch.positions, "int32"), row)
     ends = starts + ops.take(ops.cast(batch.lengths, "int32"), row)
     query_positions = starts[:, None] + ops.arange(length, dtype="int32")
@@ -439,7 +457,8 @@ def _by_row(rows, num_rows, grid):
     """`(total, spread)`: `total(x, kind)` reduces items `(W, ...)` to
     rows `(R, ...)` (`kind` "sum" or "max"), `spread(x)` takes each
     item's row of `(R, ...)`. A grid's items reshape into `(R, M, ...)`;
-    listed ones are segments (the dead items' row, `R`, dropped)."""
+    listed ones are summed by a product with which row holds each, and a
+    dead item (row `R`) belongs to none."""
     row = ops.minimum(rows, num_rows - 1)
 
     def spread(x):
@@ -450,9 +469,20 @@ def _by_row(rows, num_rows, grid):
             x = ops.reshape(x, (num_rows, -1) + tuple(x.shape[1:]))
             return (ops.sum if kind == "sum" else ops.amax)(x, axis=1)
     else:
+        # Which items each row holds, `(R, W)`: sums are one product, and
+        # a maximum is over the row's items only (a dead item in none).
+        holds = ops.equal(ops.arange(num_rows, dtype="int32")[:, None],
+                          rows[None, :])
+
         def total(x, kind):
-            reduce = ops.segment_sum if kind == "sum" else ops.segment_max
-            return reduce(x, rows, num_segments=num_rows + 1)[:num_rows]
+            if kind == "sum":
+                sums = ops.matmul(ops.cast(holds, x.dtype),
+                                  ops.reshape(x, (x.shape[0], -1)))
+                return ops.reshape(sums, (num_rows,) + tuple(x.shape[1:]))
+            held = ops.reshape(holds, tuple(holds.shape) + (1,) * (
+                len(x.shape) - 1))
+            return ops.amax(ops.where(held, x[None], logits_lib.MASKED_LOGIT),
+                            axis=1)
 
     return total, spread
 

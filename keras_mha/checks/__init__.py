@@ -40,6 +40,7 @@ from keras_mha.checks.cache import cache_call
 from keras_mha.checks.cache import cache_parts
 from keras_mha.checks.cache import cache_slots
 from keras_mha.checks.paged import paged_cache
+from keras_mha.checks.paged import pool_shapes
 from keras_mha.checks.cache import cache_tensor
 
 __all__ = [

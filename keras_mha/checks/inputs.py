@@ -337,15 +337,9 @@ def call_arguments(
         cache, cache_update_index = cache.pool, paged_lib.rows_batch(
             cache, cache_update_index, length)
     if paged_lib.is_paged(cache):  # a ragged call (`checks/paged.py`)
-        return ragged_call(
-            layer, query=query, value=value, key=key, cache=cache,
-            batch=cache_update_index, use_causal_mask=use_causal_mask,
-            query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
-            attention_mask=attention_mask,
-            return_attention_scores=return_attention_scores,
-            attention_bias=attention_bias, segment_ids=segment_ids,
-            key_segment_ids=key_segment_ids,
-        )
+        return ragged_call(layer, (query, value, key), cache,
+                           cache_update_index, use_causal_mask,
+                           return_attention_scores, locals())
     settings = layer.settings
     key = value if key is None else key
     shapes, layout = built_inputs(layer, query, value, key)

@@ -3,11 +3,13 @@ and index, from shapes and dtypes alone (eager and symbolic)."""
 
 import keras
 
+from keras_mha.attention import paged as paged_lib
 from keras_mha.checks.arguments import dims_agree
 from keras_mha.checks.cache import cache_index
 from keras_mha.checks.cache import part_shapes
 from keras_mha.checks.inputs import defined_features
 from keras_mha.checks.inputs import mask_argument
+from keras_mha.checks.paged import ragged_call
 
 
 def shapes(query_shape, value_shape):
@@ -33,6 +35,10 @@ def call(layer, *, query, value, key, query_mask, value_mask, key_mask,
     Takes every argument of the call, by keyword; `return_attention_scores`
     and `training` need no check.
     """
+    if paged_lib.is_paged(cache):  # a ragged call (`checks/paged.py`)
+        return ragged_call(layer, (query, value, value), cache,
+                           cache_update_index, use_causal_mask,
+                           return_attention_scores, locals())
     query_shape, value_shape = tuple(query.shape), tuple(value.shape)
     shapes(query_shape, value_shape)
     if key is not None and key is not value:

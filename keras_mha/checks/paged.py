@@ -55,10 +55,13 @@ def _has_dtype(dtype):
     return True
 
 
-def ragged_call(layer, *, query, value, key, cache, batch, use_causal_mask,
-                return_attention_scores, **others):
+def ragged_call(layer, inputs, cache, batch, use_causal_mask,
+                return_attention_scores, others):
     """Checks a call with a paged `cache` and a `RaggedBatch` as
-    `cache_update_index`."""
+    `cache_update_index`: `inputs` `(query, value, key)`, `others` the
+    call's other arguments by name (a layer's call lacks some)."""
+    query, value, key = inputs
+    key = value if key is None else key
     for name in _UNSUPPORTED:
         if others.get(name) is not None:
             raise ValueError(
@@ -96,12 +99,28 @@ def ragged_call(layer, *, query, value, key, cache, batch, use_causal_mask,
         _batch_values(layer, cache, values, shapes[0][1])
 
 
-def _pool(layer, cache):
+def pool_shapes(layer):
+    """`((K, H), (K, V))` of `layer`'s pages; the latent layer's one head
+    of `[latent, rope_key]` and no value pages: `((1, R + P), None)`."""
     settings = layer.settings
+    if hasattr(settings, "kv_lora_rank"):
+        return (1, settings.kv_lora_rank + settings.qk_rope_head_dim), None
     heads = settings.num_key_value_heads
-    expected = ((heads, settings.key_dim), (heads, settings.value_dim))
+    return (heads, settings.key_dim), (heads, settings.value_dim)
+
+
+def _pool(layer, cache):
+    expected = pool_shapes(layer)
     for name, pool, want in (("keys", cache.keys, expected[0]),
                              ("values", cache.values, expected[1])):
+        if (pool is None) != (want is None):
+            raise ValueError(
+                f"The paged cache's {name} do not match this layer's "
+                "(`init_paged_cache` makes them). Received: "
+                f"cache.{name}={'None' if pool is None else 'pages'}"
+            )
+        if pool is None:
+            continue
         if len(pool.shape) != 4 or tuple(pool.shape[2:]) != want:
             raise ValueError(
                 f"The paged cache's {name} must be (pages + 1, page_size, "
@@ -150,7 +169,8 @@ def _batch_values(layer, cache, values, length):
         )
     settings = layer.settings
     reach = paged_lib.reach_of(spec_lib.AttentionSpec(
-        scale=1.0, causal=True, chunk=settings.attention_chunk_size,
+        scale=1.0, causal=True,
+        chunk=getattr(settings, "attention_chunk_size", None),
         window=spec_lib.window_sides(settings.sliding_window, True)))
     writers = {}
     for row in np.nonzero(lengths)[0]:
