@@ -1,6 +1,7 @@
 """Serving's cells on the active backend (`KERAS_BACKEND`):
 
     python -m benchmarks.serving            # the issue's workload
+    python -m benchmarks.serving --large    # 32 requests, prompts 16..1024
     python -m benchmarks.serving --medium   # 16 requests, prompts 16..512
     python -m benchmarks.serving --small    # a quick run of the same cells
 
@@ -43,6 +44,7 @@ ISSUE = dict(layers=4, heads=8, kv_heads=2, head=64, requests=64,
              shortest=16, longest=2048, new=128, rows=16, page=16,
              chunk=256, position=16384)
 MEDIUM = dict(ISSUE, requests=16, longest=512, new=32, rows=8)
+LARGE = dict(ISSUE, requests=32, longest=1024, new=64, rows=8)
 SMALL = dict(layers=2, heads=4, kv_heads=2, head=16, requests=6,
              shortest=4, longest=40, new=4, rows=3, page=4, chunk=16,
              position=256)
@@ -365,6 +367,7 @@ def main(argv=None):
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--small", action="store_true")
     size.add_argument("--medium", action="store_true")
+    size.add_argument("--large", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-throughput", action="store_true",
                         help="leave the generate loops out")
@@ -374,7 +377,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import keras
 
-    sizes = SMALL if args.small else MEDIUM if args.medium else ISSUE
+    sizes = (SMALL if args.small else MEDIUM if args.medium else LARGE
+             if args.large else ISSUE)
     rows = run(sizes, args.repeats, throughput=not args.no_throughput,
                train_steps=args.train_steps)
     print(f"| {keras.backend.backend()} | | |")
