@@ -80,6 +80,7 @@ class PageAllocator:
         self._free_rows = list(range(max_sequences - 1, -1, -1))
         self._prefixes = {}  # (previous page, tokens) -> page
         self._prefix_of = {}  # page -> its key in `_prefixes`
+        self._next = {}  # page -> the keys that follow it
         self._tokens = {}  # row -> the tokens written so far
 
     # ----------------------------------------------------------- reading
@@ -226,6 +227,7 @@ class PageAllocator:
                     page not in self._prefix_of):
                 self._prefixes[key] = page
                 self._prefix_of[page] = key
+                self._next.setdefault(previous, []).append(key)
 
     def release_before(self, row, position):
         """Frees `row`'s pages that hold only positions before `position`
@@ -253,6 +255,12 @@ class PageAllocator:
             key = self._prefix_of.pop(page, None)
             if key is not None:
                 del self._prefixes[key]
+            # A reused number must not lead to the pages that followed it
+            # (a window frees a sequence's first pages before the rest).
+            for later in self._next.pop(page, ()):
+                later_page = self._prefixes.pop(later, None)
+                if later_page is not None:
+                    del self._prefix_of[later_page]
 
     def _registered(self, tokens):
         """The registered pages holding `tokens`' leading whole pages (the

@@ -66,6 +66,27 @@ def test_a_prefix_is_shared_by_its_full_pages_and_freed_with_its_last_user():
 
 
 @pytest.mark.backend_free
+def test_a_freed_page_number_leads_to_none_of_the_pages_after_it():
+    """A window frees a sequence's first page; its number, reused for
+    other tokens, must not lead a new prompt to the second page, whose
+    keys were computed after the first page's tokens."""
+    allocator = serving.PageAllocator(6, 2, 3, 4)
+    row, _ = allocator.add([1, 2, 3, 4, 5])
+    allocator.reserve(row, 5)
+    allocator.advance(row, [1, 2, 3, 4, 5])
+    first, second = allocator.pages(row)[:2]
+    allocator.release_before(row, 2)  # page 0 freed, its number reusable
+    other, _ = allocator.add([9, 9, 3, 4, 7])
+    allocator.reserve(other, 5)
+    allocator.advance(other, [9, 9, 3, 4, 7])
+    assert allocator.pages(other)[0] == first  # the number, reused
+    assert allocator.pages(other)[1] != second
+    third, cached = allocator.add([9, 9, 3, 4, 8])
+    assert cached == 4  # its own chain, not the freed page's
+    assert allocator.pages(third)[:2] == allocator.pages(other)[:2]
+
+
+@pytest.mark.backend_free
 def test_a_shared_page_is_copied_before_its_first_write():
     allocator = serving.PageAllocator(6, 4, 2, 3)
     row, _ = allocator.add()
