@@ -314,6 +314,12 @@ def generate(model, prompts, allocator, max_new_tokens, prefill_chunk=64,
                         ("prefill_chunk", prefill_chunk),
                         ("prefill_rows", prefill_rows)):
         checks.positive_int(name, value)
+    for index, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(
+                "Each prompt needs at least one token, whose logits give "
+                f"the first new one. Received: prompts[{index}]={prompt!r}"
+            )
     waiting = collections.deque(enumerate(prompts))
     running, results = {}, [None] * len(prompts)
     while waiting or running:

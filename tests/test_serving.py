@@ -113,6 +113,8 @@ def test_an_exhausted_pool_changes_nothing():
         allocator.add()
     with pytest.raises(ValueError, match="Received: page_size=0"):
         serving.PageAllocator(2, 0, 1, 4)
+    with pytest.raises(ValueError, match=r"Received: prompts\[1\]=\[\]"):
+        serving.generate(None, [[1], []], allocator, 2)
 
 
 @pytest.mark.backend_free
