@@ -180,19 +180,27 @@ def _median_ms(fn, repeats):
     return statistics.median(times) * 1e3
 
 
-def _decode_step(sizes, quantize, compiled, repeats):
-    """ms of one decode step of one layer at position `p` over pages."""
-    import keras
-
+def _layer(sizes):
+    """`(layer, width, page size)`: one attention layer of the model's
+    heads, built."""
     import keras_mha
-    from keras_mha.attention import paged
 
-    heads, head, page = sizes["heads"], sizes["head"], sizes["page"]
+    heads, head = sizes["heads"], sizes["head"]
     width = heads * head
     layer = keras_mha.MultiHeadAttention(
         num_heads=heads, key_dim=head, num_key_value_heads=sizes["kv_heads"],
         rotary_embedding=keras_mha.RotaryEmbedding())
     layer.build((1, 1, width), (1, 1, width))
+    return layer, width, sizes["page"]
+
+
+def _decode_step(sizes, quantize, compiled, repeats):
+    """ms of one decode step of one layer at position `p` over pages."""
+    import keras
+
+    from keras_mha.attention import paged
+
+    layer, width, page = _layer(sizes)
     pages = sizes["position"] // page + 1
     pool = layer.init_paged_cache(pages, page, quantize=quantize)
     table = np.arange(pages, dtype="int32")[None]
@@ -255,15 +263,9 @@ def _ragged(sizes, rows, repeats):
     """One ragged decode step of 16 rows against 16 one-row steps."""
     import keras
 
-    import keras_mha
     from keras_mha.attention import paged
 
-    heads, head, page = sizes["heads"], sizes["head"], sizes["page"]
-    width = heads * head
-    layer = keras_mha.MultiHeadAttention(
-        num_heads=heads, key_dim=head, num_key_value_heads=sizes["kv_heads"],
-        rotary_embedding=keras_mha.RotaryEmbedding())
-    layer.build((1, 1, width), (1, 1, width))
+    layer, width, page = _layer(sizes)
     positions = np.linspace(16, sizes["longest"], 16).astype("int32")
     widths = -(-(positions + 1) // page)
     table = np.full((16, widths.max()), -1, "int32")

@@ -43,6 +43,14 @@ def test_a_windowed_model_frees_pages_and_equals_decoding_alone():
     assert tokens == [model.greedy_alone(p, NEW_TOKENS) for p in PROMPTS]
 
 
+def _written(allocator, count):
+    """A new row of `allocator` holding `count` tokens."""
+    row, _ = allocator.add()
+    allocator.reserve(row, count)
+    allocator.advance(row, range(count))
+    return row
+
+
 @pytest.mark.backend_free
 def test_a_prefix_is_shared_by_its_full_pages_and_freed_with_its_last_user():
     allocator = serving.PageAllocator(8, 2, 3, 4)
@@ -89,9 +97,7 @@ def test_a_freed_page_number_leads_to_none_of_the_pages_after_it():
 @pytest.mark.backend_free
 def test_a_shared_page_is_copied_before_its_first_write():
     allocator = serving.PageAllocator(6, 4, 2, 3)
-    row, _ = allocator.add()
-    allocator.reserve(row, 6)
-    allocator.advance(row, range(6))
+    row = _written(allocator, 6)
     other = allocator.fork(row)
     assert allocator.reserve(row, 1) == ([allocator.pages(other)[1]],
                                          [allocator.pages(row)[1]])
@@ -120,9 +126,7 @@ def test_an_exhausted_pool_changes_nothing():
 @pytest.mark.backend_free
 def test_window_release_frees_only_pages_before_the_position():
     allocator = serving.PageAllocator(8, 2, 1, 4)
-    row, _ = allocator.add()
-    allocator.reserve(row, 7)
-    allocator.advance(row, range(7))
+    row = _written(allocator, 7)
     allocator.release_before(row, 5)  # positions 0..3: pages 0 and 1
     assert [p >= 0 for p in allocator.pages(row)] == [False, False, True,
                                                       True]
