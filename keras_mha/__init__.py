@@ -18,6 +18,16 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
+    "BlockMap": "keras_mha.attention.block_maps",
+    "Causal": "keras_mha.attention.rules",
+    "Chunk": "keras_mha.attention.rules",
+    "DenseMask": "keras_mha.attention.rules",
+    "Documents": "keras_mha.attention.rules",
+    "MaskFunction": "keras_mha.attention.rules",
+    "Padding": "keras_mha.attention.rules",
+    "PrefixLM": "keras_mha.attention.rules",
+    "ScoreFunction": "keras_mha.attention.rules",
+    "Window": "keras_mha.attention.rules",
     "CachedMultiHeadAttention": "keras_mha.cached",
     "ContextParallel": "keras_mha.distribution",
     "GroupedQueryAttention": "keras_mha.grouped",
@@ -34,6 +44,16 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if typing.TYPE_CHECKING:  # for static readers: type checkers, the API docs
+    from keras_mha.attention.block_maps import BlockMap
+    from keras_mha.attention.rules import Causal
+    from keras_mha.attention.rules import Chunk
+    from keras_mha.attention.rules import DenseMask
+    from keras_mha.attention.rules import Documents
+    from keras_mha.attention.rules import MaskFunction
+    from keras_mha.attention.rules import Padding
+    from keras_mha.attention.rules import PrefixLM
+    from keras_mha.attention.rules import ScoreFunction
+    from keras_mha.attention.rules import Window
     from keras_mha.cached import CachedMultiHeadAttention
     from keras_mha.convert import from_keras
     from keras_mha.distribution import ContextParallel

@@ -15,6 +15,7 @@ from keras_mha import distribution as distribution_lib
 from keras_mha.attention import dispatch
 from keras_mha.attention import logits as logits_lib
 from keras_mha.attention import paged as paged_lib
+from keras_mha.attention import rules
 from keras_mha.attention import spec as spec_lib
 
 
@@ -22,6 +23,7 @@ def describe(
     layer, *, query_tokens=None, key_tokens=None, dense_mask=None,
     use_causal_mask=False, training=None, return_attention_scores=False,
     attention_bias=None, segment_ids=None, key_segment_ids=None, seed=None,
+    mask_mod=None, score_mod=None,
 ):
     """The `AttentionSpec` of a call of `layer` without a cache.
 
@@ -36,6 +38,8 @@ def describe(
             keys share the queries' ids when only `segment_ids` is given).
         seed: the layer's dropout `SeedGenerator` (a built layer's), read
             when the call drops weights.
+        mask_mod, score_mod: a checked mask and score function (objects
+            or plain functions), or `None`.
     """
     settings = layer.settings
     dropout = settings.dropout if training else 0.0
@@ -67,6 +71,9 @@ def describe(
         segment_ids=segment_ids,
         key_segment_ids=key_segment_ids,
         sharding=distribution_lib.context_plan(),
+        mask_mod=None if mask_mod is None else rules.as_mask(mask_mod),
+        score_mod=None if score_mod is None else rules.as_score_function(
+            score_mod),
     )
 
 

@@ -185,6 +185,10 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             keys of its own segment (packed sequences). The keys share the
             queries' ids unless `key_segment_ids` is given.
         key_segment_ids: the keys' ids `(B, S)`, for cross-attention.
+        mask_mod: a mask (`keras_mha.Documents(ids)`, `MaskFunction(fn)`,
+            ..., with `&`, `|`, `~`) or `fn(batch, head, query_position,
+            key_position) -> bool`, ANDed with the other masks.
+        score_mod: `fn(score, batch, head, query_position, key_position)`.
 
     Returns:
         `output`, of the query's shape (the last axis `output_shape` if
@@ -351,7 +355,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         key_mask=None, attention_mask=None, return_attention_scores=False,
         training=None, use_causal_mask=False, cache=None,
         cache_update_index=None, attention_bias=None, segment_ids=None,
-        key_segment_ids=None,
+        key_segment_ids=None, mask_mod=None, score_mod=None,
     ):
         if key is None:
             key = value
@@ -365,8 +369,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             use_causal_mask=use_causal_mask, cache=cache,
             cache_update_index=cache_update_index,
             attention_bias=attention_bias, segment_ids=segment_ids,
-            key_segment_ids=key_segment_ids,
-        )
+            key_segment_ids=key_segment_ids, mask_mod=mask_mod,
+            score_mod=score_mod)
         layout = self._layout
         gate = self._gate_dense(query) if self.settings.use_gate else None
         q = layout.to_sequence(self._query_dense(query))  # (B', T, N, H)
@@ -392,7 +396,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             query_tokens=query_tokens, key_tokens=key_tokens,
             use_causal_mask=use_causal_mask, attention_bias=attention_bias,
             segment_ids=segment_ids, key_segment_ids=key_segment_ids,
-        )
+            mask_mod=mask_mod, score_mod=score_mod)
         new_cache = None
         if cache is None:
             context, scores = attend(q, k, v, spec)  # (B', T, N, V)

@@ -218,6 +218,42 @@ def test_ragged_steps_compile_once(rng, quantize):
     assert programs(calls) == 1
 
 
+@COMPILED
+def test_new_documents_and_prefixes_do_not_recompile(rng, monkeypatch):
+    """A step whose mask reads document ids and prefix lengths, called
+    with other boundaries each time: one trace, one program, on the
+    block-sparse path where the compiler runs it (its block lists are
+    then traced), and the eager step's numbers."""
+    from keras_mha.attention import dispatch
+    from keras_mha.attention import tuning
+
+    monkeypatch.setitem(tuning.OVERRIDES, "sparse_block", 8)
+    x = rng.normal(size=(2, 40, 8)).astype("float32")
+    layer = make_layer(x, x, num_heads=2, key_dim=4, num_key_value_heads=1)
+
+    def step(x, ids, prefix):
+        mask = keras_mha.Causal() & keras_mha.Documents(ids) | (
+            keras_mha.PrefixLM(prefix) & keras_mha.Documents(ids))
+        with dispatch.force_path(dispatch.SPARSE):
+            return layer(x, x, mask_mod=mask)
+
+    if BACKEND == "torch":
+        step(x, np.zeros((2, 40), "int32"), np.zeros(2, "int32"))
+    run, programs = _counted(step)
+    calls = []
+    for bounds, prefix in (((5, 20), (3, 9)), ((17, 33), (0, 30)),
+                           ((1, 2), (12, 1))):
+        ids = np.zeros((2, 40), "int32")
+        for bound in bounds:
+            ids[:, bound:] += 1
+        args = tuple(keras.ops.convert_to_tensor(a) for a in (
+            x, ids, np.asarray(prefix, "int32")))
+        calls.append(args)
+        np.testing.assert_allclose(to_numpy(run(*args)),
+                                   to_numpy(step(*args)), atol=1e-5)
+    assert programs(calls) == 1
+
+
 def _every_feature_model():
     """Two blocks: a causal window with sinks, RoPE and per-head RMS
     query/key norms; then full causal attention with ALiBi, chunks, the

@@ -394,6 +394,16 @@ def test_the_package_loads_its_names_on_first_use():
     assert found["missing"] is False  # an AttributeError, as ever
     assert found["version"] == "0.1.0"
     assert found["public"] == {
+        "BlockMap": "keras_mha.attention.block_maps",
+        "Causal": "keras_mha.attention.rules",
+        "Chunk": "keras_mha.attention.rules",
+        "DenseMask": "keras_mha.attention.rules",
+        "Documents": "keras_mha.attention.rules",
+        "MaskFunction": "keras_mha.attention.rules",
+        "Padding": "keras_mha.attention.rules",
+        "PrefixLM": "keras_mha.attention.rules",
+        "ScoreFunction": "keras_mha.attention.rules",
+        "Window": "keras_mha.attention.rules",
         "CachedMultiHeadAttention": "keras_mha.cached",
         "ContextParallel": "keras_mha.distribution",
         "GroupedQueryAttention": "keras_mha.grouped",

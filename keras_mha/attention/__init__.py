@@ -11,6 +11,8 @@ masks from the spec with the position rule of `masks.py`:
 - `blocked.py`: causal self-attention in O(T) memory (an online softmax
   over key blocks, FlashAttention-2's recurrence);
 - `triangular.py`: causal self-attention without the upper triangle;
+- `sparse.py`: a mask object (`rules.py`: masks and score functions,
+  programmable attention) visiting only the blocks it keeps;
 - `cache.py`: the key/value cache that decoding reads and writes,
   `cache_layouts.py` its layouts (ours, keras-hub's, the latent cache's)
   a run of slots at a time, and `decode.py`: attention over the cache
@@ -48,6 +50,7 @@ from keras_mha.attention.decode import decode_attention
 from keras_mha.attention.explicit import explicit_attention
 from keras_mha.attention.fused import fused_attention
 from keras_mha.attention.fused import fused_window_attention
+from keras_mha.attention.sparse import sparse_attention
 from keras_mha.attention.spec import AttentionSpec
 from keras_mha.attention.triangular import triangular_attention
 
@@ -91,6 +94,8 @@ def attend(query, key, value, spec):
         return blocked_attention(query, key, value, spec), None
     if path == dispatch.FUSED_WINDOW:
         return fused_window_attention(query, key, value, spec), None
+    if path == dispatch.SPARSE:
+        return sparse_attention(query, key, value, spec), None
     return triangular_attention(query, key, value, spec), None
 
 

@@ -112,14 +112,14 @@ def blocked_attention(query, key, value, spec, block_size=None):
     )
     q = ops.multiply(query, ops.cast(spec.scale, query.dtype))
     q = ops.reshape(
-        _pad(q, padded - length),
+        pad(q, padded - length),
         (batch, num_blocks, block, num_kv, groups, query.shape[3]),
     )
     q = ops.transpose(q, (1, 0, 3, 2, 4, 5))  # (n, B, K, b, G, H)
     q = ops.reshape(
         q, (num_blocks, -1, num_kv, block * groups, query.shape[3])
     )  # (n, B, K, b·G, H)
-    k, v = (_key_blocks(_pad(x, padded - length), geometry)
+    k, v = (_key_blocks(pad(x, padded - length), geometry)
             for x in (key, value))  # (n, B, K, b, H|V)
     if spec.sinks is None:
         sinks = ops.zeros((num_kv, groups), q.dtype)
@@ -136,7 +136,7 @@ def blocked_attention(query, key, value, spec, block_size=None):
     return ops.cast(out[:, :length], out_dtype)  # (B, T, N, V)
 
 
-def _pad(x, after):
+def pad(x, after):
     if not after:
         return x
     return ops.pad(x, [(0, 0), (0, after)] + [(0, 0)] * (len(x.shape) - 2))
@@ -150,7 +150,7 @@ def _key_blocks(x, geometry):
     return ops.transpose(x, (1, 0, 3, 2, 4))
 
 
-def _token_blocks(spec, geometry, pad):
+def _token_blocks(spec, geometry, padding):
     """The call's per-token tensors in blocks: `(rows, keys)`.
 
     `rows`: the query mask and the query ids, `(n, B, b·G)` (each query's
@@ -160,7 +160,7 @@ def _token_blocks(spec, geometry, pad):
     id would match).
     """
     def blocks(x, dtype):
-        x = _pad(ops.cast(x, dtype), pad)
+        x = pad(ops.cast(x, dtype), padding)
         x = ops.reshape(x, (-1, geometry.num_blocks, geometry.block))
         return ops.transpose(x, (1, 0, 2))
 
@@ -213,26 +213,15 @@ def _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal):
     """The modified, masked logits of query block `i` over key block `j`,
     `(B, K, b·G, b)`, and `tanh(logits / c)` when there is a soft-cap
     (its derivative needs it)."""
-    s = ops.einsum("bkrh,bksh->bkrs", q_i, k_j)  # (B, K, b·G, b)
-    tanh = None
-    if geometry.soft_cap is not None:
-        cap = ops.cast(geometry.soft_cap, s.dtype)
-        tanh = ops.tanh(ops.divide(s, cap))
-        s = ops.multiply(cap, tanh)
+    s, tanh = block_logits(q_i, k_j, geometry.soft_cap)
     b, groups = geometry.block, geometry.groups
     offsets = ops.subtract(
         ops.reshape(ops.arange(b * groups, dtype="int32") // groups,
                     (b * groups, 1)),
         ops.reshape(ops.arange(b, dtype="int32"), (1, b)),
     )  # (b·G, b): query row - key column within the blocks
-    if geometry.alibi is not None:
-        distance = ops.add(offsets, ops.cast((i - j) * b, "int32"))
-        slopes = ops.reshape(
-            ops.convert_to_tensor(geometry.alibi, s.dtype), (-1, groups)
-        )  # (K, G)
-        s = ops.add(
-            s, logits.alibi(_row_values(slopes, b), distance, s.dtype)
-        )
+    s = with_alibi(s, geometry.alibi, groups, b,
+                   ops.add(offsets, ops.cast((i - j) * b, "int32")))
     mask = None
     if diagonal:
         mask = ops.greater_equal(offsets, 0)[None, None]
@@ -256,6 +245,30 @@ def _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal):
     if mask is not None:
         s = ops.where(mask, s, ops.cast(logits.MASKED_LOGIT, s.dtype))
     return s, tanh
+
+
+def block_logits(q_i, k_j, soft_cap):
+    """`(s, tanh)`: the logits of query rows `(B, K, r, H)` over a key
+    block `(B, K, b, H)`, `(B, K, r, b)`, soft-capped, and `tanh(logits /
+    c)` under a cap `c` (its derivative needs it; else `None`)."""
+    s = ops.einsum("bkrh,bksh->bkrs", q_i, k_j)  # (B, K, r, b)
+    tanh = None
+    if soft_cap is not None:
+        cap = ops.cast(soft_cap, s.dtype)
+        tanh = ops.tanh(ops.divide(s, cap))
+        s = ops.multiply(cap, tanh)
+    return s, tanh
+
+
+def with_alibi(s, alibi, groups, block, distance):
+    """The block's logits plus ALiBi's `-m_h·|p - j|` (`alibi`: the slopes,
+    or `None`), `distance` broadcasting as `(r, b)`: query row - key."""
+    if alibi is None:
+        return s
+    slopes = ops.reshape(ops.convert_to_tensor(alibi, s.dtype),
+                         (-1, groups))  # (K, G)
+    return ops.add(s, logits.alibi(row_values(slopes, block), distance,
+                                   s.dtype))
 
 
 def _first_key_block(geometry, i):
@@ -312,30 +325,39 @@ def _attention(geometry):
                 key_grads, (q, d_out, lse, delta, rows),
                 (indices, k, v, keys),
             )
-            d_sinks = ops.zeros_like(sinks)
-            if geometry.use_sinks:
-                # The sink is a key of value 0: dL/ds = -sum P(sink)·D.
-                p_sink = ops.exp(ops.subtract(
-                    _row_values(sinks, geometry.block), lse
-                ))  # (n, B, K, b·G, 1)
-                num_kv, groups = sinks.shape
-                per_row = ops.reshape(
-                    ops.multiply(p_sink, delta),
-                    (blocks, -1, num_kv, geometry.block, groups),
-                )  # (n, B, K, b, G)
-                d_sinks = ops.negative(
-                    ops.sum(per_row, axis=(0, 1, 3))
-                )  # (K, G)
+            d_sinks = sink_gradient(sinks, lse, delta, has_key,
+                                    geometry.block, geometry.use_sinks)
             return (d_q, d_k, d_v, d_sinks) + (None,) * len(tokens)
 
         return out, grad
 
+    return differentiable(attention)
+
+
+def differentiable(attention):
+    """`attention`, returning `(out, grad)`, as a function of its inputs
+    with that gradient (on NumPy, which computes no gradients, its output
+    alone)."""
     if capabilities.inference_only():
         return lambda *args: attention(*args)[0]
     return ops.custom_gradient(attention)
 
 
-def _row_values(per_head, block):
+def sink_gradient(sinks, lse, delta, has_key, block, use_sinks=True):
+    """The sinks' gradient `(K, G)`: a sink is a key of value 0, `dL/ds =
+    -sum P(sink)·D` over the rows `(n, B, K, b·G, 1)` that saw a key; 0
+    without sinks."""
+    if not use_sinks:
+        return ops.zeros_like(sinks)
+    p_sink = ops.exp(ops.subtract(row_values(sinks, block), lse))
+    per_row = ops.where(has_key, ops.multiply(p_sink, delta), 0.0)
+    num_kv, groups = sinks.shape
+    per_row = ops.reshape(per_row, (ops.shape(lse)[0], -1, num_kv, block,
+                                    groups))  # (n, B, K, b, G)
+    return ops.negative(ops.sum(per_row, axis=(0, 1, 3)))  # (K, G)
+
+
+def row_values(per_head, block):
     """One value per query head `(K, G)` -> per row `(1, K, b·G, 1)`."""
     num_kv, groups = per_head.shape
     rows = ops.broadcast_to(
@@ -352,41 +374,23 @@ def _forward_body(geometry):
         i, q_i, k_i, v_i, rows, keys_i = x
 
         def update(state, k_j, v_j, j, keys_j, diagonal):
-            top, total, accumulated = state
             s, _ = _scores(geometry, q_i, k_j, i, j, rows, keys_j, diagonal)
-            new_top = ops.maximum(top, ops.amax(s, axis=-1, keepdims=True))
-            correction = ops.exp(ops.subtract(top, new_top))
-            p = ops.exp(ops.subtract(s, new_top))  # (B, K, b·G, b)
-            total = ops.add(ops.multiply(total, correction),
-                            ops.sum(p, axis=-1, keepdims=True))
-            accumulated = ops.add(ops.multiply(accumulated, correction),
-                                  ops.einsum("bkrs,bksv->bkrv", p, v_j))
-            return new_top, total, accumulated
+            return online_step(state, s, v_j)
 
-        stats = ops.shape(q_i)[:-1] + (1,)  # (B, K, b·G, 1)
-        state = (
-            ops.full(stats, logits.MASKED_LOGIT, q_i.dtype),
-            ops.zeros(stats, q_i.dtype),
-            ops.zeros(ops.shape(q_i)[:-1] + (v.shape[-1],), q_i.dtype),
-        )
-        state = update(state, k_i, v_i, i, keys_i, True)
+        state = update(initial_state(q_i, v.shape[-1]), k_i, v_i, i, keys_i,
+                       True)
         top, total, accumulated = ops.fori_loop(
             _first_key_block(geometry, i), i,
             lambda j, state: update(state, _at(k, j), _at(v, j), j,
                                     _pick(keys_all, j), False),
             state,
         )
-        # Masked logits are MASKED_LOGIT: a row whose maximum is still that
-        # saw no key.
-        has_key = ops.greater(top, logits.MASKED_LOGIT / 2)
-        if geometry.use_sinks:
-            top, total, accumulated = logits.fold_sink(
-                top, total, accumulated, _row_values(sinks, geometry.block)
-            )
-        out = ops.divide(accumulated, total)
-        if _has_token_masks(geometry):
-            out = ops.where(has_key, out, ops.zeros_like(out))
-        return constants, (out, ops.add(top, ops.log(total)), has_key)
+        return constants, finish_rows(
+            (top, total, accumulated),
+            row_values(sinks, geometry.block) if geometry.use_sinks
+            else None,
+            _has_token_masks(geometry),
+        )
 
     return body
 
@@ -450,7 +454,58 @@ def _score_grads(geometry, q_i, k_j, v_j, i, j, rows, keys, diagonal, do_i,
     saved log-sum-exp, and the gradient of the logits `q·k` before the
     soft-cap, `dS = P ⊙ (dO·Vᵀ - D)`, times `1 - tanh²` under a cap."""
     s, tanh = _scores(geometry, q_i, k_j, i, j, rows, keys, diagonal)
-    p = ops.exp(ops.subtract(s, lse_i))  # (B, K, b·G, b)
+    return grads_of_scores(s, tanh, v_j, do_i, lse_i, delta_i)
+
+
+def initial_state(q_i, value_dim):
+    """An online softmax's state before any key: `(top, total,
+    accumulated)`, `(.., 1)`, `(.., 1)` and `(.., V)` for query rows
+    `q_i` `(.., H)`."""
+    stats = ops.shape(q_i)[:-1] + (1,)
+    return (
+        ops.full(stats, logits.MASKED_LOGIT, q_i.dtype),
+        ops.zeros(stats, q_i.dtype),
+        ops.zeros(ops.shape(q_i)[:-1] + (value_dim,), q_i.dtype),
+    )
+
+
+def online_step(state, s, v_j):
+    """The online softmax's state after the block of logits `s` `(B, K,
+    r, b)` over values `v_j` `(B, K, b, V)` (FlashAttention-2's update)."""
+    top, total, accumulated = state
+    new_top = ops.maximum(top, ops.amax(s, axis=-1, keepdims=True))
+    correction = ops.exp(ops.subtract(top, new_top))
+    p = ops.exp(ops.subtract(s, new_top))  # (B, K, r, b)
+    total = ops.add(ops.multiply(total, correction),
+                    ops.sum(p, axis=-1, keepdims=True))
+    accumulated = ops.add(ops.multiply(accumulated, correction),
+                          ops.einsum("bkrs,bksv->bkrv", p, v_j))
+    return new_top, total, accumulated
+
+
+def finish_rows(state, sink_rows, zero_empty):
+    """`(out, lse, has_key)` of a finished online softmax: the sinks (or
+    `None`) folded in, and rows that saw no key (their maximum still the
+    masked logit) zeroed where `zero_empty`. A row that visited no block
+    at all has a total of 0: its log-sum-exp is the masked logit's."""
+    top, total, accumulated = state
+    has_key = ops.greater(top, logits.MASKED_LOGIT / 2)
+    if sink_rows is not None:
+        top, total, accumulated = logits.fold_sink(top, total, accumulated,
+                                                   sink_rows)
+    total = ops.where(ops.greater(total, 0), total, ops.ones_like(total))
+    out = ops.divide(accumulated, total)
+    if zero_empty:
+        out = ops.where(has_key, out, ops.zeros_like(out))
+    return out, ops.add(top, ops.log(total)), has_key
+
+
+def grads_of_scores(s, tanh, v_j, do_i, lse_i, delta_i):
+    """`(dS, P)` of a block of logits `s`: the weights recomputed from the
+    saved log-sum-exp, and the gradient of the logits before the soft-cap,
+    `dS = P ⊙ (dO·Vᵀ - D)`, times `1 - tanh²` under a cap (`tanh` or
+    `None`)."""
+    p = ops.exp(ops.subtract(s, lse_i))  # (B, K, r, b)
     d_p = ops.einsum("bkrv,bksv->bkrs", do_i, v_j)
     d_s = ops.multiply(p, ops.subtract(d_p, delta_i))
     if tanh is not None:

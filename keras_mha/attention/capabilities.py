@@ -11,6 +11,8 @@ A question takes an optional `backend`, the running one by default: the
 dispatch rule and the tuning table answer for any backend in tests.
 """
 
+import contextlib
+
 import keras
 from keras import ops
 
@@ -83,6 +85,42 @@ def compiles_eager_call(tree):
         leaves = jax.tree_util.tree_leaves(tree)
         return not any(isinstance(x, jax.core.Tracer) for x in leaves)
     return False
+
+
+@contextlib.contextmanager
+def host_scope():
+    """Runs the block's ops on concrete values even inside a traced call
+    (a mask's block map): `jax.ensure_compile_time_eval`, TensorFlow's
+    `init_scope`; torch and NumPy compute eagerly anyway."""
+    backend = backend_name()
+    if backend == JAX:
+        import jax
+
+        with jax.ensure_compile_time_eval():
+            yield
+    elif backend == TENSORFLOW:
+        import tensorflow as tf
+
+        with tf.init_scope():
+            yield
+    else:
+        yield
+
+
+def is_concrete(x):
+    """Whether tensor `x` holds values (not a tracer or a graph tensor)."""
+    backend = backend_name()
+    if backend == JAX:
+        import jax
+
+        return not isinstance(x, jax.core.Tracer)
+    if backend == TENSORFLOW:
+        import tensorflow as tf
+
+        return not tf.is_symbolic_tensor(x)
+    if backend == TORCH:
+        return not compiling_one_graph()
+    return True
 
 
 # ----------------------------------------------------- the fused kernel

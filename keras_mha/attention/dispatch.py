@@ -73,7 +73,8 @@ BANDED = "banded"
 TRIANGULAR = "triangular"
 BLOCKED = "blocked"
 FUSED_WINDOW = "fused_window"
-PATHS = (FUSED, EXPLICIT, BANDED, TRIANGULAR, BLOCKED, FUSED_WINDOW)
+SPARSE = "sparse"
+PATHS = (FUSED, EXPLICIT, BANDED, TRIANGULAR, BLOCKED, FUSED_WINDOW, SPARSE)
 
 HALO = "halo"
 RING = "ring"
@@ -156,8 +157,23 @@ def can_serve(path, spec, shapes, backend=None):
             not spec.return_weights
             and not spec.dropout
             and spec.soft_cap is None
+            and spec.score_mod is None
             and fused.supported(shapes.key_dim, shapes.value_dim, backend)
         )
+    if path == SPARSE:
+        return (
+            spec.mask_mod is not None
+            and spec.score_mod is None
+            and static
+            and spec.keys_at_own_positions
+            and spec.bias is None
+            and not spec.return_weights
+            and not spec.dropout
+            # Its loops' trip counts are data: Dynamo would specialize.
+            and not capabilities.compiling_one_graph()
+        )
+    if spec.programmed:  # the paths below know only the spec's own masks
+        return False
     if path == BANDED:
         return (
             spec.reach is not None
@@ -198,6 +214,7 @@ def keras_would_fuse(spec, shapes, backend=None):
     bias, chunks), head sizes the kernel takes."""
     return (
         can_serve(FUSED, spec, shapes, backend)
+        and not spec.programmed
         and spec.bias is None
         and spec.sinks is None
         and spec.alibi is None
@@ -244,6 +261,12 @@ def choose_path(spec, shapes, backend=None, platform=None):
 
     if spec.whole_cache and setting("explicit_cached_step"):
         return EXPLICIT
+    if (
+        can_serve(SPARSE, spec, shapes, backend)
+        and min(shapes.query_length, shapes.key_length)
+        >= setting("sparse_min_length")
+    ):
+        return SPARSE
     if setting("follow_keras") and keras_would_fuse(spec, shapes, backend):
         return _as_keras(spec, shapes, backend, setting)
     if can_serve(BANDED, spec, shapes, backend) and banded_pays_off(
@@ -310,14 +333,15 @@ def cache_route(spec, query_length, index, rolling,
             it lies (`concatenated`, after a prompt).
     """
     if layout == cache_layouts.PAIR:
-        whole = spec.return_weights or spec.dropout or (
+        whole = spec.return_weights or spec.dropout or spec.programmed or (
             num_slots <= tuning.value("decode_block"))
         return WHOLE_CACHE if whole else SLOT_WRITE
     if spec.return_weights:  # weights over the old slots and the new tokens
         return CONCATENATED
     if isinstance(index, numbers.Integral) and index == 0:
         return PROMPT
-    if spec.dropout or (rolling and query_length != 1) or computed:
+    if spec.dropout or (rolling and query_length != 1) or computed or \
+            spec.programmed:
         return CONCATENATED
     return SLOT_WRITE
 
@@ -329,6 +353,7 @@ def context_route(spec, shapes):
         return None
     if not (
         spec.keys_at_own_positions
+        and not spec.programmed
         and spec.attention_mask is None
         and spec.bias is None
         and not spec.return_weights

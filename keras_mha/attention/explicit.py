@@ -53,7 +53,9 @@ def explicit_attention(query, key, value, spec):
         attention weights `(B, N, T, S)` before dropout.
     """
     t_len, s_len = ops.shape(query)[1], ops.shape(key)[1]
-    mask = masks_lib.spec_mask(spec, t_len, s_len)
+    mask = masks_lib.spec_mask(spec, t_len, s_len,
+                               batch_size=ops.shape(query)[0],
+                               num_heads=query.shape[2])
     return masked_attention(
         query, key, value, mask, spec, masks_lib.positions(spec, t_len, s_len),
         spec.bias,
@@ -103,9 +105,13 @@ def modified_logits(query, key, spec, query_positions, key_positions, bias):
             scores, (batch, num_heads, t_len, s_len)
         )  # (B, N, T, S)
     scores = logits.soft_cap(scores, spec.soft_cap)
-    return logits.add(scores, logits.dense_term(
+    scores = logits.add(scores, logits.dense_term(
         spec, query_positions, key_positions, bias, scores.dtype
     ))
+    if spec.score_mod is None:
+        return scores
+    return spec.score_mod(scores, *masks_lib.index_tensors(
+        batch, num_heads, query_positions, key_positions))
 
 
 def weighted_values(weights, value):

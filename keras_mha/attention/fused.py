@@ -61,7 +61,9 @@ def fused_attention(query, key, value, spec):
     )
     mask = has_key = None
     if not native_causal:
-        mask = masks_lib.spec_mask(spec, t_len, s_len)
+        mask = masks_lib.spec_mask(spec, t_len, s_len,
+                                   batch_size=ops.shape(query)[0],
+                                   num_heads=num_heads)
     if spec.sinks is not None:
         key, value, mask, term = _with_sink_key(
             query, key, value, mask, term, spec.sinks

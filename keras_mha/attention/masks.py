@@ -84,12 +84,15 @@ def segment_mask(query_segments, key_segments):
     )
 
 
-def spec_mask(spec, query_length, key_length, query_start=None):
+def spec_mask(spec, query_length, key_length, query_start=None,
+              batch_size=None, num_heads=None):
     """The whole mask a spec asks for, `(B|1, N|1, T, S)`, or `None`.
 
     With `query_start`, the mask of one block of queries
     `[query_start, query_start + query_length)` against keys
     `[0, key_length)` (the triangular path's blocks; static sizes).
+    `batch_size` and `num_heads` size the index tensors a mask function
+    (`spec.mask_mod`) is evaluated on.
     """
     start = 0 if query_start is None else query_start
     positional = None
@@ -118,8 +121,26 @@ def spec_mask(spec, query_length, key_length, query_start=None):
     segments = None
     if query_segments is not None:
         segments = segment_mask(query_segments, key_segments)
+    programmed = None
+    if spec.mask_mod is not None:
+        programmed = spec.mask_mod.evaluate(*index_tensors(
+            batch_size, num_heads,
+            *positions(spec, query_length, key_length, start)))
     return combine_masks(
-        padding_mask(query_mask, key_mask), dense, segments, positional
+        padding_mask(query_mask, key_mask), dense, segments, positional,
+        programmed,
+    )
+
+
+def index_tensors(batch_size, num_heads, query_positions, key_positions):
+    """What a mask or score function is evaluated on: the batch `(B, 1,
+    1, 1)`, head `(1, N, 1, 1)`, query `(1, 1, T, 1)` and key `(1, 1, 1,
+    S)` indices, int32, from positions `(T,)` and `(S,)`."""
+    return (
+        ops.reshape(ops.arange(batch_size, dtype="int32"), (-1, 1, 1, 1)),
+        ops.reshape(ops.arange(num_heads, dtype="int32"), (1, -1, 1, 1)),
+        ops.reshape(ops.cast(query_positions, "int32"), (1, 1, -1, 1)),
+        ops.reshape(ops.cast(key_positions, "int32"), (1, 1, 1, -1)),
     )
 
 

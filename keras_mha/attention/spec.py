@@ -61,6 +61,12 @@ class AttentionSpec:
         sharding: `None`, or the `sharded.ContextPlan` of the active
             `keras_mha.ContextParallel`: the tokens are sharded over its
             context axis and `attend` takes a context-parallel route.
+        mask_mod: `None`, or a `rules.Mask` (programmable attention): a
+            function of the batch, head, query and key positions (absolute
+            positions), ANDed with every mask above.
+        score_mod: `None`, or a `rules.ScoreFunction`: maps each logit
+            with its batch, head, query and key positions, after the
+            soft-cap, bias and ALiBi, before the masks.
         whole_cache: whether the keys are every slot of a decoding
             cache after its write, read whole (keras-hub's cache on
             `attend_cached`'s `whole_cache` route); the dispatch rule reads
@@ -90,6 +96,8 @@ class AttentionSpec:
     segment_ids: Any = None
     key_segment_ids: Any = None
     sharding: Any = None
+    mask_mod: Any = None
+    score_mod: Any = None
     whole_cache: bool = False
 
     def replace(self, **changes):
@@ -143,7 +151,13 @@ class AttentionSpec:
             and self.keys_at_own_positions
             and not self.has_token_masks
             and self.attention_mask is None
+            and self.mask_mod is None
         )
+
+    @property
+    def programmed(self):
+        """Whether the call has a mask or score function."""
+        return self.mask_mod is not None or self.score_mod is not None
 
 
 def window_sides(sliding_window, causal=False):

@@ -132,6 +132,25 @@ TABLE = {
             "none",
         ),
     },
+    "sparse_min_length": {
+        (ANY, ANY): Entry(
+            1024,
+            "a mask or score function on shorter sequences is evaluated "
+            "whole, as a dense mask on the fused or explicit path, where "
+            "the block map and the loops cost more than the scores they "
+            "skip",
+            "python -m benchmarks.programmable --lengths 512,1024,2048",
+        ),
+    },
+    "sparse_block": {
+        (ANY, ANY): Entry(
+            128,
+            "positions per block of the block-sparse path: the map's "
+            "resolution against the loops' per-block cost",
+            _SWEEP.format("sparse_block=64|128|256").replace(
+                _BENCH, "python -m benchmarks.programmable"),
+        ),
+    },
     "triangular_min_length": {
         (JAX, ANY): Entry(
             1024,

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 
 from keras_mha.attention import paged as paged_lib
+from keras_mha.attention import rules
 from keras_mha.axes import AxesLayout
 from keras_mha.checks.paged import ragged_call
 from keras_mha.checks.arguments import dims_agree
@@ -320,7 +321,7 @@ def call_arguments(
     layer, *, query, value, key, query_mask, value_mask, key_mask,
     attention_mask, return_attention_scores, use_causal_mask, cache,
     cache_update_index, attention_bias=None, segment_ids=None,
-    key_segment_ids=None, training=None,
+    key_segment_ids=None, training=None, mask_mod=None, score_mod=None,
 ):
     """Checks a call of `layer` from shapes and dtypes alone.
 
@@ -336,6 +337,7 @@ def call_arguments(
                     False)
         cache, cache_update_index = cache.pool, paged_lib.rows_batch(
             cache, cache_update_index, length)
+    programs(mask_mod, score_mod, cache)
     if paged_lib.is_paged(cache):  # a ragged call (`checks/paged.py`)
         return ragged_call(layer, (query, value, key), cache,
                            cache_update_index, use_causal_mask,
@@ -363,6 +365,11 @@ def call_arguments(
         layer, layout, shapes, cache, attention_bias, segment_ids,
         key_segment_ids,
     )
+    if layout.multi_axis and (mask_mod is not None or score_mod is not None):
+        raise ValueError(
+            "`mask_mod` and `score_mod` need a single attention axis. "
+            f"Received: attention_axes={settings.attention_axes}"
+        )
     if use_causal_mask and layout.multi_axis:
         raise ValueError(
             "`use_causal_mask=True` needs a single attention axis. "
@@ -376,4 +383,21 @@ def call_arguments(
             num_kv_heads=settings.num_key_value_heads,
             key_dim=settings.key_dim, value_dim=settings.value_dim,
             window=settings.rolling_slots if layer.rolling_cache else None,
+        )
+
+
+def programs(mask_mod, score_mod, cache):
+    """A mask and a score function: `keras_mha` objects or plain
+    functions (a `TypeError` otherwise); neither reads a paged cache."""
+    if mask_mod is not None:
+        rules.as_mask(mask_mod)
+    if score_mod is not None:
+        rules.as_score_function(score_mod)
+    if (mask_mod is not None or score_mod is not None) and (
+        paged_lib.is_paged(cache)
+    ):
+        raise ValueError(
+            "A ragged call over a paged cache takes no `mask_mod` or "
+            "`score_mod`; a dense or rolling cache does. Received: "
+            f"mask_mod={mask_mod!r}, score_mod={score_mod!r}"
         )

@@ -1,0 +1,212 @@
+"""Programmable attention's cells on the active backend (`KERAS_BACKEND`):
+
+    python -m benchmarks.programmable                 # T = 16384
+    python -m benchmarks.programmable --lengths 4096  # a quicker run
+
+Forward + backward of attention over projected heads (`B = 1`, 4 heads of
+64) at each length, compiled on JAX (`jax.jit`) and TensorFlow
+(`tf.function(jit_compile=True)`), eager on torch. Cells, side by side in
+one run:
+
+- the full causal cost: `use_causal_mask` on the path the rule picks;
+- masks on the block-sparse path, each with its kept fraction `d` of the
+  `T × S` logits and the issue's bound `1.5·d·causal + 0.1·causal`:
+  prefix-LM with half the sequence as prefix, 16 documents (causal),
+  a random 10% block-sparse mask (blocks of 128), a causal window of 512
+  written as a `MaskFunction`;
+- the same window as the layer's own `sliding_window=512` (the banded
+  path): the function's time over it;
+- 16 documents at `T / 2` against `keras.layers.MultiHeadAttention` with
+  the same dense mask (a layer call each, forward and backward).
+
+Prints one row per cell; the numbers of a shared machine are indicative.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+HEADS, HEAD, BLOCK = 4, 64, 128
+
+
+def _timed(fn, repeats):
+    fn()  # compile, and build the block maps
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _forward_backward(loss, args):
+    """A function running `loss(*args)` and its gradient, compiled where
+    the backend compiles."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(
+            args)))))
+        return lambda: jax.block_until_ready(step(*args))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function(jit_compile=True)
+        def step(*tensors):
+            with tf.GradientTape() as tape:
+                tape.watch(tensors)
+                value = loss(*tensors)
+            return value, tape.gradient(value, tensors)
+
+        tensors = [tf.convert_to_tensor(a) for a in args]
+        return lambda: [t.numpy() for t in tf.nest.flatten(step(*tensors))
+                        if t is not None]
+    import torch
+
+    tensors = [torch.tensor(a, requires_grad=True) for a in args]
+
+    def run():
+        value = loss(*tensors)
+        return torch.autograd.grad(value, tensors)
+
+    return run
+
+
+def _density(mask, length):
+    """The kept fraction of the `T × S` logits, counted a block row of
+    queries at a time on the host."""
+    import keras
+
+    kept = 0
+    keys = np.arange(length)[None, None, None, :]
+    for start in range(0, length, 1024):
+        rows = np.arange(start, min(start + 1024, length))
+        index = [keras.ops.convert_to_tensor(x, "int32") for x in (
+            np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1)),
+            rows[None, None, :, None], keys)]
+        kept += np.sum(keras.ops.convert_to_numpy(mask.evaluate(*index)))
+    return kept / length ** 2
+
+
+def _masks(length):
+    import keras
+
+    import keras_mha
+
+    ops = keras.ops
+    ids = (np.arange(length) // (length // 16))[None].astype("int32")
+    blocks = -(-length // BLOCK)
+    table = np.random.default_rng(0).random((blocks, blocks)) < 0.1
+    np.fill_diagonal(table, True)  # every query sees a block
+    flat = table.reshape(-1)
+
+    def block_sparse(b, h, q, k):
+        return ops.take(ops.convert_to_tensor(flat),
+                        (q // BLOCK) * blocks + k // BLOCK)
+
+    def window(b, h, q, k):
+        return ops.logical_and(q >= k, q - k < 512)
+
+    return {
+        "prefix-LM, half prefix": keras_mha.PrefixLM(
+            np.array([length // 2], "int32")),
+        "16 documents": keras_mha.Causal() & keras_mha.Documents(ids),
+        "random 10% blocks": keras_mha.MaskFunction(block_sparse),
+        "window 512 (MaskFunction)": keras_mha.MaskFunction(
+            window, monotone=True),
+    }
+
+
+def _attention_loss(spec):
+    import keras
+
+    from keras_mha.attention import attend
+
+    def loss(q, k, v):
+        return keras.ops.sum(attend(q, k, v, spec)[0])
+
+    return loss
+
+
+def run(lengths, repeats):
+    import keras
+
+    from keras_mha.attention import AttentionSpec
+    from keras_mha.attention import spec as spec_lib
+
+    rng = np.random.default_rng(0)
+    scale = spec_lib.default_scale(HEAD)
+    backend = keras.backend.backend()
+    print(f"| backend | T | cell | d | ms | / causal | bound |")
+    print("|---|---|---|---|---|---|---|")
+    for length in lengths:
+        q, k, v = (rng.normal(size=(1, length, HEADS, HEAD)).astype(
+            "float32") for _ in range(3))
+        causal = _timed(_forward_backward(_attention_loss(AttentionSpec(
+            scale=scale, causal=True)), (q, k, v)), repeats)
+        print(f"| {backend} | {length} | causal | 0.5 | "
+              f"{1e3 * causal:.0f} | 1.00 | |")
+        for name, mask in _masks(length).items():
+            density = _density(mask, length)
+            spent = _timed(_forward_backward(_attention_loss(AttentionSpec(
+                scale=scale, mask_mod=mask)), (q, k, v)), repeats)
+            bound = 1.5 * density + 0.1
+            print(f"| {backend} | {length} | {name} | {density:.3f} | "
+                  f"{1e3 * spent:.0f} | {spent / causal:.2f} | "
+                  f"{bound:.2f} |")
+            if name.startswith("window"):
+                banded = _timed(_forward_backward(_attention_loss(
+                    AttentionSpec(scale=scale, causal=True,
+                                  window=(511, 0))), (q, k, v)), repeats)
+                print(f"| {backend} | {length} | sliding_window=512 | "
+                      f"{density:.3f} | {1e3 * banded:.0f} | "
+                      f"function / built-in {spent / banded:.2f} | 1.20 |")
+        _against_keras(length // 2, repeats, rng)
+
+
+def _against_keras(length, repeats, rng):
+    """16 documents at `length`: our layer with the mask object against
+    Keras's layer with the same dense mask."""
+    import keras
+
+    import keras_mha
+
+    backend = keras.backend.backend()
+    x = rng.normal(size=(1, length, HEADS * HEAD)).astype("float32")
+    ids = (np.arange(length) // (length // 16))[None].astype("int32")
+    dense = (ids[:, :, None] == ids[:, None, :]) & np.tril(
+        np.ones((length, length), bool))[None]
+    ours = keras_mha.MultiHeadAttention(HEADS, HEAD)
+    theirs = keras.layers.MultiHeadAttention(HEADS, HEAD)
+    ours(x[:, :8], x[:, :8])
+    theirs(x[:, :8], x[:, :8])
+    mask = keras_mha.Causal() & keras_mha.Documents(ids)
+    times = {}
+    for name, call in (
+        ("ours", lambda t: ours(t, t, mask_mod=mask)),
+        ("keras", lambda t: theirs(t, t, attention_mask=dense)),
+    ):
+        times[name] = _timed(_forward_backward(
+            lambda t, call=call: keras.ops.sum(call(t)), (x,)), repeats)
+    print(f"| {backend} | {length} | 16 documents, layer: keras / ours | | "
+          f"{1e3 * times['ours']:.0f} | "
+          f"{times['keras'] / times['ours']:.1f}x | 5x |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="16384")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")
+    run([int(n) for n in args.lengths.split(",")], args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""Programmable attention: mask objects and score functions
+(`keras_mha.attention.rules`), their block maps, and the block-sparse path
+(`sparse.py`) that visits only kept blocks, against the float64 reference
+given the same mask as a dense tensor (written here in NumPy), and against
+the explicit path, forward and backward, with caches, under compilers."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+from util import compiled
+from util import layer_gradients
+from util import make_layer
+from util import reference
+from util import to_numpy
+
+import keras_mha
+from keras_mha.attention import dispatch
+from keras_mha.attention import rules
+from keras_mha.attention import tuning
+
+# 75 = 4 blocks of 16 and a short one: whole, partial and skipped blocks,
+# and padding in the last.
+LENGTH, BLOCK = 75, 16
+ops = keras.ops
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setitem(tuning.OVERRIDES, "sparse_block", BLOCK)
+
+
+def _ids():
+    """Two sequences of documents with boundaries off the blocks."""
+    ids = np.zeros((2, LENGTH), "int32")
+    for row, bounds in enumerate(([10, 40, 41], [30])):
+        for bound in bounds:
+            ids[row, bound:] += 1
+    return ids
+
+
+def _positions():
+    q = np.arange(LENGTH)[:, None]
+    k = np.arange(LENGTH)[None, :]
+    return q, k
+
+
+def _case(name):
+    """`(mask object, dense (B, 1|N, T, S) NumPy mask)` of one case."""
+    q, k = _positions()
+    causal = q >= k
+    ids = _ids()
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    if name == "documents":
+        return keras_mha.Causal() & keras_mha.Documents(ids), same & causal
+    if name == "prefix_lm":
+        prefix = np.array([20, 47])
+        dense = causal | (k < prefix[:, None, None, None])
+        return keras_mha.PrefixLM(prefix), dense
+    if name == "window_function":
+        fn = keras_mha.MaskFunction(
+            lambda b, h, qp, kp: ops.logical_and(qp >= kp, qp - kp < 20),
+            monotone=True)
+        return fn, (causal & (q - k < 20))[None, None]
+    if name == "block_sparse":
+        rng = np.random.default_rng(3)
+        blocks = rng.random((5, 5)) < 0.3
+        dense = np.kron(blocks, np.ones((BLOCK, BLOCK), bool))
+        dense = dense[:LENGTH, :LENGTH] & (rng.random((LENGTH, LENGTH)) < 0.7)
+        return keras_mha.DenseMask(dense[None, None]), dense[None, None]
+    if name == "heads":  # a function of the head: each its own window
+        fn = lambda b, h, qp, kp: ops.logical_and(  # noqa: E731
+            qp >= kp, qp - kp <= 8 * (h + 1))
+        heads = np.arange(4)[None, :, None, None]
+        return fn, causal & (q - k <= 8 * (heads + 1))
+    if name == "composed":  # ~, | and & together, with empty rows
+        mask = (~keras_mha.Window(3, 3) | keras_mha.Chunk(25)) & \
+            keras_mha.Causal() & keras_mha.Padding(
+                query_mask=np.arange(LENGTH)[None] < np.array([[60], [75]]))
+        real = np.arange(LENGTH)[None, :] < np.array([[60], [75]])
+        dense = ((np.abs(q - k) > 3) | (q // 25 == k // 25)) & causal
+        return mask, dense[None, None] & real[:, None, :, None]
+    raise ValueError(name)
+
+
+CASES = ["documents", "prefix_lm", "window_function", "block_sparse",
+         "heads", "composed"]
+
+
+def _layer(x, **kwargs):
+    return make_layer(x, x, num_heads=4, key_dim=8, num_key_value_heads=2,
+                      **kwargs)
+
+
+def _inputs(rng):
+    return rng.normal(size=(2, LENGTH, 16)).astype("float32")
+
+
+class TestMasks:
+    @pytest.mark.parametrize("name", CASES)
+    @pytest.mark.parametrize("path", [dispatch.SPARSE, dispatch.EXPLICIT,
+                                      dispatch.FUSED])
+    def test_matches_reference_with_the_dense_mask(self, rng, name, path):
+        x = _inputs(rng)
+        layer = _layer(x)
+        mask, dense = _case(name)
+        with dispatch.force_path(path):
+            got = to_numpy(layer(x, x, mask_mod=mask))
+        want, _ = reference(layer, x, x, attention_mask=dense)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+    def test_empty_rows_are_zero(self, rng):
+        x = _inputs(rng)
+        layer = _layer(x, output_shape=None, use_bias=False)
+        mask = keras_mha.MaskFunction(lambda b, h, q, k: q < 0)
+        with dispatch.force_path(dispatch.SPARSE):
+            got = to_numpy(layer(x, x, mask_mod=mask))
+        np.testing.assert_array_equal(got, 0.0)
+
+    def test_composes_with_the_layer_arguments(self, rng):
+        """`mask_mod` is ANDed with causal, the window and padding."""
+        x = _inputs(rng)
+        layer = _layer(x, sliding_window=30)
+        mask, dense = _case("documents")
+        q, k = _positions()
+        key_mask = np.arange(LENGTH)[None] < np.array([[70], [50]])
+        for path in (dispatch.SPARSE, dispatch.EXPLICIT):
+            with dispatch.force_path(path):
+                got = to_numpy(layer(x, x, mask_mod=keras_mha.Documents(
+                    _ids()), use_causal_mask=True, key_mask=key_mask))
+            want, _ = reference(layer, x, x, attention_mask=dense
+                                & key_mask[:, None, None, :],
+                                use_causal_mask=True)
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+    def test_the_rule_takes_sparse_for_long_sequences_only(self):
+        layer = _layer(np.zeros((1, 4, 16), "float32"))
+        mask = keras_mha.Causal() & keras_mha.Window(100)
+        spec = layer._describe(np.zeros((1, 4, 16)), np.zeros((1, 4, 16)),
+                               None, mask_mod=mask)
+        shapes = dispatch.Shapes(4096, 4096, 8, 8, 1, 4)
+        assert dispatch.choose_path(spec, shapes) == dispatch.SPARSE
+        short = dispatch.Shapes(256, 256, 8, 8, 1, 4)
+        assert dispatch.choose_path(spec, short) in (dispatch.FUSED,
+                                                     dispatch.EXPLICIT)
+        scored = spec.replace(score_mod=keras_mha.ScoreFunction(
+            lambda s, b, h, q, k: s))
+        assert dispatch.choose_path(scored, shapes) == dispatch.EXPLICIT
+
+
+class TestBlockMaps:
+    @pytest.mark.parametrize("name", CASES)
+    def test_bounds_hold_and_skip(self, name):
+        mask, dense = _case(name)
+        mask = rules.as_mask(mask)
+        kinds = mask.block_map(LENGTH, LENGTH, BLOCK, batch_size=2,
+                               num_heads=4).kinds
+        dense = np.broadcast_to(dense, (2, 4, LENGTH, LENGTH))
+        for i in range(kinds.shape[0]):
+            for j in range(kinds.shape[1]):
+                block = dense[:, :, i * BLOCK:(i + 1) * BLOCK,
+                              j * BLOCK:(j + 1) * BLOCK]
+                if kinds[i, j] == 0:
+                    assert not block.any(), (i, j)
+                if kinds[i, j] == 2:
+                    assert block.all(), (i, j)
+                if not block.any():  # exact where the objects know
+                    assert kinds[i, j] == 0 or name in ("composed",), (i, j)
+
+    def test_density_and_repr(self):
+        block_map = keras_mha.Causal().block_map(64, 64, 16)
+        np.testing.assert_array_equal(
+            block_map.kinds, np.tril(np.full((4, 4), 2)) - np.eye(4, dtype=int))
+        assert block_map.density == pytest.approx(10 / 16)
+        assert "6 full, 4 partial, 6 skipped" in repr(block_map)
+
+    def test_a_static_map_is_computed_once(self):
+        calls = []
+
+        def fn(b, h, q, k):
+            calls.append(1)
+            return q >= k
+
+        mask = keras_mha.MaskFunction(fn)
+        first = mask.block_map(64, 64, 16)
+        count = len(calls)
+        mask.block_map(64, 64, 16)
+        assert len(calls) == count
+        np.testing.assert_array_equal(
+            first.kinds, keras_mha.Causal().block_map(64, 64, 16).kinds)
+
+
+class TestScoreFunctions:
+    def test_alibi_and_soft_cap_as_score_functions(self, rng):
+        x = _inputs(rng)
+        layer = _layer(x)
+        slopes = np.array([2.0 ** (-2 * (h + 1)) for h in range(4)],
+                          "float32").reshape(1, 4, 1, 1)
+
+        def alibi_and_cap(score, b, h, q, k):
+            capped = 3.0 * ops.tanh(score / 3.0)
+            distance = ops.cast(ops.abs(q - k), score.dtype)
+            return capped - ops.convert_to_tensor(slopes) * distance
+
+        got = to_numpy(layer(x, x, use_causal_mask=True,
+                             score_mod=alibi_and_cap))
+        want, _ = reference(layer, x, x, use_causal_mask=True, soft_cap=3.0,
+                            alibi=True)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.training
+class TestGradients:
+    @pytest.mark.parametrize("name", ["documents", "prefix_lm",
+                                      "block_sparse", "composed"])
+    def test_same_gradients_as_explicit(self, rng, name):
+        x = _inputs(rng)
+        layer = _layer(x, use_sinks=True, attn_logits_soft_cap=4.0)
+        layer.sinks.assign(np.linspace(-1.0, 1.0, 4).astype("float32"))
+        mask, _ = _case(name)
+        grads = {}
+        for path in (dispatch.SPARSE, dispatch.EXPLICIT):
+            with dispatch.force_path(path):
+                grads[path] = layer_gradients(layer, x, x, mask_mod=mask)
+        for got, want in zip(grads[dispatch.SPARSE],
+                             grads[dispatch.EXPLICIT]):
+            assert np.isfinite(got).all()
+            np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
+
+
+class TestCaches:
+    def test_decode_steps_see_the_mask_at_absolute_positions(self, rng):
+        """A prompt then one token at a time, with a dense and a rolling
+        cache, equal the whole sequence's call."""
+        x = _inputs(rng)
+        mask, _ = _case("documents")
+        for window in (None, 40):
+            layer = _layer(x, sliding_window=window)
+            whole = to_numpy(layer(x, x, use_causal_mask=True,
+                                   mask_mod=mask))
+            cache = layer.init_cache(2, LENGTH)
+            out, cache = layer(x[:, :50], x[:, :50], use_causal_mask=True,
+                               cache=cache, cache_update_index=0,
+                               mask_mod=mask)
+            steps = [to_numpy(out)]
+            for t in range(50, LENGTH, 5):
+                out, cache = layer(x[:, t:t + 5], x[:, t:t + 5],
+                                   use_causal_mask=True, cache=cache,
+                                   cache_update_index=t, mask_mod=mask)
+                steps.append(to_numpy(out))
+            np.testing.assert_allclose(np.concatenate(steps, 1), whole,
+                                       atol=2e-5, rtol=2e-5)
+
+
+class TestBadInput:
+    def test_a_mask_function_must_return_booleans(self, rng):
+        x = _inputs(rng)
+        layer = _layer(x)
+        with pytest.raises(ValueError, match="must return a boolean"):
+            layer(x, x, mask_mod=lambda b, h, q, k: q - k)
+
+    def test_a_mask_function_must_broadcast(self, rng):
+        x = _inputs(rng)
+        layer = _layer(x)
+        with pytest.raises(ValueError, match="must broadcast"):
+            layer(x, x, mask_mod=lambda b, h, q, k: ops.ones((3, 5), "bool"))
+
+    def test_a_score_function_keeps_shape_and_dtype(self, rng):
+        x = _inputs(rng)
+        layer = _layer(x)
+        with pytest.raises(ValueError, match="shape and dtype"):
+            layer(x, x, score_mod=lambda s, b, h, q, k: s[..., :1])
+        with pytest.raises(ValueError, match="shape and dtype"):
+            layer(x, x, score_mod=lambda s, b, h, q, k: ops.cast(s,
+                                                                 "int32"))
+
+    def test_types_are_named(self, rng):
+        x = _inputs(rng)
+        layer = _layer(x)
+        with pytest.raises(TypeError, match="Received: mask_mod=3"):
+            layer(x, x, mask_mod=3)
+        with pytest.raises(TypeError, match="Received: score_mod='x'"):
+            layer(x, x, score_mod="x")
+        with pytest.raises(ValueError, match="Received: left=-1"):
+            keras_mha.Window(-1)
+        with pytest.raises(ValueError, match="rank 2"):
+            keras_mha.Documents(np.zeros((3,), "int32"))
+
+    def test_paged_caches_refuse(self, rng):
+        x = _inputs(rng)
+        layer = _layer(x)
+        pool = layer.init_paged_cache(4, 16)
+        from keras_mha.attention.paged import RaggedBatch
+
+        batch = RaggedBatch(np.zeros((1, 4), "int32"),
+                            np.zeros((1,), "int32"),
+                            np.ones((1,), "int32"))
+        with pytest.raises(ValueError, match="paged cache takes no"):
+            layer(x[:1, :1], x[:1, :1], use_causal_mask=True, cache=pool,
+                  cache_update_index=batch, mask_mod=keras_mha.Causal())
+
+    @pytest.mark.skipif(BACKEND not in ("jax", "tensorflow"),
+                        reason="traces a call: jax.jit, tf.function")
+    def test_a_static_promise_over_traced_data_is_refused(self, rng):
+        x = _inputs(rng)
+        layer = _layer(x)
+
+        def call(x, ids):
+            mask = keras_mha.MaskFunction(
+                lambda b, h, q, k: ops.take(ids[0], q) == ops.take(ids[0], k))
+            with dispatch.force_path(dispatch.SPARSE):
+                return layer(x, x, mask_mod=mask)
+
+        with pytest.raises(ValueError, match="promised static"):
+            compiled(call)(x, _ids())
