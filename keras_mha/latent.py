@@ -127,6 +127,8 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
             `value` holds the new tokens (`S = T`).
         cache_update_index: with `cache`, the position of the first new
             token: a Python int or a scalar integer tensor.
+        mask_mod, score_mod: a mask and a score function, as
+            `MultiHeadAttention` takes them (docs/programmable.md).
 
     Returns:
         `output` `(B, T, E)`; with `return_attention_scores`, `(output,
@@ -286,6 +288,8 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
         use_causal_mask=False,
         cache=None,
         cache_update_index=None,
+        mask_mod=None,
+        score_mod=None,
     ):
         cache = hooks.unconverted(cache)
         latent_checks.call(
@@ -293,6 +297,7 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
             value_mask=value_mask, key_mask=key_mask,
             attention_mask=attention_mask, use_causal_mask=use_causal_mask,
             cache=cache, cache_update_index=cache_update_index,
+            mask_mod=mask_mod, score_mod=score_mod,
         )
         settings = self.settings
         nope, rank = settings.qk_nope_head_dim, settings.kv_lora_rank
@@ -334,6 +339,7 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
             training=training,
             return_attention_scores=return_attention_scores,
             seed=getattr(self._dropout_layer, "seed_generator", None),
+            mask_mod=mask_mod, score_mod=score_mod,
         )
         how = latent_lib.ABSORBED if paged else latent_lib.computation(
             spec, q.shape[1], cache=cache is not None,

@@ -138,8 +138,11 @@ class TestMasks:
         mask = keras_mha.Causal() & keras_mha.Window(100)
         spec = layer._describe(np.zeros((1, 4, 16)), np.zeros((1, 4, 16)),
                                None, mask_mod=mask)
-        shapes = dispatch.Shapes(4096, 4096, 8, 8, 1, 4)
-        assert dispatch.choose_path(spec, shapes) == dispatch.SPARSE
+        threshold = tuning.value("sparse_min_length")
+        long = 4096 if threshold == float("inf") else int(threshold)
+        shapes = dispatch.Shapes(long, long, 8, 8, 1, 4)
+        assert (dispatch.choose_path(spec, shapes) == dispatch.SPARSE) == (
+            threshold <= long)
         short = dispatch.Shapes(256, 256, 8, 8, 1, 4)
         assert dispatch.choose_path(spec, short) in (dispatch.FUSED,
                                                      dispatch.EXPLICIT)
@@ -250,6 +253,30 @@ class TestCaches:
                 steps.append(to_numpy(out))
             np.testing.assert_allclose(np.concatenate(steps, 1), whole,
                                        atol=2e-5, rtol=2e-5)
+            unmasked = to_numpy(layer(x, x, use_causal_mask=True))
+            assert np.abs(unmasked - whole).max() > 1e-3  # the mask is read
+
+    def test_the_latent_layer_decodes_with_a_mask(self, rng):
+        x = _inputs(rng)
+        layer = keras_mha.MultiHeadLatentAttention(
+            num_heads=2, kv_lora_rank=8, qk_nope_head_dim=4,
+            qk_rope_head_dim=4, v_head_dim=4,
+            rotary_embedding=keras_mha.RotaryEmbedding())
+        mask, _ = _case("documents")
+        whole = to_numpy(layer(x, x, use_causal_mask=True, mask_mod=mask))
+        cache = layer.init_cache(2, LENGTH)
+        out, cache = layer(x[:, :50], x[:, :50], use_causal_mask=True,
+                           cache=cache, cache_update_index=0, mask_mod=mask)
+        steps = [to_numpy(out)]
+        for t in range(50, LENGTH, 5):
+            out, cache = layer(x[:, t:t + 5], x[:, t:t + 5],
+                               use_causal_mask=True, cache=cache,
+                               cache_update_index=t, mask_mod=mask)
+            steps.append(to_numpy(out))
+        np.testing.assert_allclose(np.concatenate(steps, 1), whole,
+                                   atol=2e-5, rtol=2e-5)
+        unmasked = to_numpy(layer(x, x, use_causal_mask=True))
+        assert np.abs(unmasked - whole).max() > 1e-3  # the mask is read
 
 
 class TestBadInput:

@@ -9,6 +9,7 @@ from keras_mha.checks.cache import cache_index
 from keras_mha.checks.cache import part_shapes
 from keras_mha.checks.inputs import defined_features
 from keras_mha.checks.inputs import mask_argument
+from keras_mha.checks.inputs import programs
 from keras_mha.checks.paged import ragged_call
 
 
@@ -29,12 +30,14 @@ def shapes(query_shape, value_shape):
 
 def call(layer, *, query, value, key, query_mask, value_mask, key_mask,
          attention_mask, use_causal_mask, cache, cache_update_index,
-         return_attention_scores=False, training=None):
+         return_attention_scores=False, training=None, mask_mod=None,
+         score_mod=None):
     """Checks a call from shapes and dtypes alone (eager and symbolic).
 
     Takes every argument of the call, by keyword; `return_attention_scores`
     and `training` need no check.
     """
+    programs(mask_mod, score_mod, cache)
     if paged_lib.is_paged(cache):  # a ragged call (`checks/paged.py`)
         return ragged_call(layer, (query, value, value), cache,
                            cache_update_index, use_causal_mask,
