@@ -133,6 +133,22 @@ class TestMasks:
                                 use_causal_mask=True)
             np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
+    def test_a_reused_mask_reads_each_calls_tensors(self, rng):
+        """The block-sparse function kept by a mask for its signature
+        takes the call's padding as arguments: a second call with other
+        padding gets its own answer, from the same function."""
+        x = _inputs(rng)
+        layer = _layer(x)
+        mask = keras_mha.Causal()
+        for length in (70, 40):
+            key_mask = np.arange(LENGTH)[None].repeat(2, 0) < length
+            with dispatch.force_path(dispatch.SPARSE):
+                got = to_numpy(layer(x, x, mask_mod=mask, key_mask=key_mask))
+            want, _ = reference(layer, x, x, use_causal_mask=True,
+                                key_mask=key_mask)
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+        assert len(mask._sparse_functions) == 1
+
     def test_the_rule_takes_sparse_for_long_sequences_only(self):
         layer = _layer(np.zeros((1, 4, 16), "float32"))
         mask = keras_mha.Causal() & keras_mha.Window(100)

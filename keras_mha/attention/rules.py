@@ -535,24 +535,30 @@ def tensors_of(mask):
 
     def walk(obj):
         if isinstance(obj, Mask):
-            return [(name, walk(value)) for name, value in vars(obj).items()
-                    if name not in STORES]
-        if hasattr(obj, "shape") and hasattr(obj, "dtype") and not \
-                isinstance(obj, np.ndarray):
+            return "mask", [(name, walk(value))
+                            for name, value in _attributes(obj)]
+        if isinstance(obj, tuple):
+            return "tuple", [walk(part) for part in obj]
+        if _is_tensor(obj):
             found.append(obj)
-            return len(found) - 1
+            return "tensor", len(found) - 1
         return None
 
     plan = walk(mask)
 
     def rebuild(tensors):
         def build(obj, plan):
-            if isinstance(obj, Mask):
-                copy = object.__new__(type(obj))
-                for name, sub in plan:
-                    setattr(copy, name, build(getattr(obj, name), sub))
-                return copy
-            return obj if plan is None else tensors[plan]
+            if plan is None:
+                return obj
+            kind, parts = plan
+            if kind == "tensor":
+                return tensors[parts]
+            if kind == "tuple":
+                return tuple(build(x, p) for x, p in zip(obj, parts))
+            copy = object.__new__(type(obj))
+            for name, part in parts:
+                setattr(copy, name, build(getattr(obj, name), part))
+            return copy
 
         return build(mask, plan)
 
@@ -561,32 +567,25 @@ def tensors_of(mask):
 
 def signature(mask):
     """What a mask is apart from its tensors' values: its types, static
-    parameters and tensors' shapes (a key for functions built for it)."""
+    parameters and tensors' shapes (a key for functions built for it,
+    which take the tensors as arguments: `tensors_of`)."""
     def walk(obj):
         if isinstance(obj, Mask):
             return (type(obj).__name__,) + tuple(
-                (name, walk(value)) for name, value in vars(obj).items()
-                if name not in STORES)
-        if hasattr(obj, "shape") and hasattr(obj, "dtype"):
+                (name, walk(value)) for name, value in _attributes(obj))
+        if isinstance(obj, tuple):
+            return tuple(walk(part) for part in obj)
+        if _is_tensor(obj):
             return (tuple(obj.shape), str(obj.dtype))
-        if callable(obj):
-            return id(obj)
-        return obj
+        return obj  # a number, a flag, or a function: itself
 
     return walk(mask)
 
 
-def positional_mask(spec):
-    """The spec's own causal, window and chunk rule as one mask (`None`
-    when it has none)."""
-    parts = []
-    if spec.causal:
-        parts.append(Causal())
-    if spec.window is not None:
-        parts.append(Window(*spec.window))
-    if spec.chunk is not None:
-        parts.append(Chunk(spec.chunk))
-    result = None
-    for part in parts:
-        result = part if result is None else result & part
-    return result
+def _attributes(mask):
+    return [(name, value) for name, value in vars(mask).items()
+            if name not in STORES]
+
+
+def _is_tensor(obj):
+    return hasattr(obj, "shape") and hasattr(obj, "dtype")

@@ -43,7 +43,11 @@ _Geometry = collections.namedtuple(
 
 def call_mask(spec):
     """The spec's whole mask as one `rules.Mask`, or `None` for none."""
-    parts = [rules.positional_mask(spec)]
+    parts = [rules.Causal() if spec.causal else None]
+    if spec.window is not None:
+        parts.append(rules.Window(*spec.window))
+    if spec.chunk is not None:
+        parts.append(rules.Chunk(spec.chunk))
     if spec.query_mask is not None or spec.key_mask is not None:
         parts.append(rules.Padding(spec.key_mask, spec.query_mask))
     if spec.segment_ids is not None:
