@@ -14,6 +14,7 @@ row that matches decides.
 | The call | Path |
 |---|---|
 | every slot of a decoding cache read whole (`spec.whole_cache`: keras-hub's cache of one block), where `explicit_cached_step` says so (JAX on CPU: inside a compiled decode loop XLA fuses the explicit softmax better than the fused kernel's) | `explicit` |
+| a mask object (`spec.mask_mod`) and no score function; keys at their own positions; no bias, weights or dropout; `T, S >= sparse_min_length`; not under `torch.compile` | `sparse` (other calls with a mask or score function: `fused`, or `explicit` for a score function) |
 | a window or chunks; keys at their own positions (no cache, a Python-int offset); no dense mask or bias; no weights returned; `S >= banded_min_ratio·w` and `S >= banded_min_length`, `w = max(left, right) + 1` of the spec's `reach` (the window, and chunks of `C` as a window `(C - 1, C - 1)`, right 0 when causal) | `banded` |
 | weights returned, or dropout | `explicit` |
 | causal self-attention at `T = S >= blocked_min_length`; no window, dense mask, bias, cache, or `flash_attention=True`; on torch only what its kernel cannot take (a soft-cap) | `blocked` |
