@@ -295,6 +295,55 @@ class TestCaches:
         assert np.abs(unmasked - whole).max() > 1e-3  # the mask is read
 
 
+    def test_ragged_steps_over_pages_see_the_mask(self, rng):
+        """A paged cache: both rows' prompts in one ragged call, then one
+        token per row per step, with a mask (the batch index is the row)
+        and a score function, equal the whole sequence's call."""
+        from keras_mha.attention.paged import RaggedBatch
+
+        x = _inputs(rng)
+        layer = _layer(x)
+        mask, _ = _case("documents")
+        kwargs = dict(use_causal_mask=True, mask_mod=mask,
+                      score_mod=lambda s, b, h, q, k: s * 0.5)
+        whole = to_numpy(layer(x, x, **kwargs))
+        pool = layer.init_paged_cache(12, 16)
+        table = np.arange(12, dtype="int32").reshape(2, 6)[:, ::-1].copy()
+        out, pool = layer(x[:, :60], x[:, :60], cache=pool,
+                          cache_update_index=RaggedBatch(
+                              table, np.zeros(2, "int32"),
+                              np.full(2, 60, "int32")), **kwargs)
+        steps = [to_numpy(out)]
+        for t in range(60, LENGTH):
+            out, pool = layer(x[:, t:t + 1], x[:, t:t + 1], cache=pool,
+                              cache_update_index=RaggedBatch(
+                                  table, np.full(2, t, "int32"),
+                                  np.ones(2, "int32")), **kwargs)
+            steps.append(to_numpy(out))
+        np.testing.assert_allclose(np.concatenate(steps, 1), whole,
+                                   atol=2e-5, rtol=2e-5)
+
+    def test_an_int8_cache_sees_the_mask(self, rng):
+        """A dense cache kept in int8 pages, a prompt then steps: close to
+        the whole call with the mask, far from the one without."""
+        x = _inputs(rng)
+        layer = _layer(x)
+        mask, _ = _case("documents")
+        whole = to_numpy(layer(x, x, use_causal_mask=True, mask_mod=mask))
+        cache = layer.init_cache(2, LENGTH, quantize="int8")
+        out, cache = layer(x[:, :64], x[:, :64], use_causal_mask=True,
+                           cache=cache, cache_update_index=0, mask_mod=mask)
+        steps = [to_numpy(out)]
+        out, cache = layer(x[:, 64:], x[:, 64:], use_causal_mask=True,
+                           cache=cache, cache_update_index=64, mask_mod=mask)
+        steps.append(to_numpy(out))
+        got = np.concatenate(steps, 1)
+        unmasked = to_numpy(layer(x, x, use_causal_mask=True))
+        # int8's rounding, against what the mask changes.
+        error = np.abs(got - whole).mean()
+        assert error < 0.1 * np.abs(unmasked - whole).mean(), error
+
+
 class TestBadInput:
     def test_a_mask_function_must_return_booleans(self, rng):
         x = _inputs(rng)
@@ -328,19 +377,6 @@ class TestBadInput:
             keras_mha.Window(-1)
         with pytest.raises(ValueError, match="rank 2"):
             keras_mha.Documents(np.zeros((3,), "int32"))
-
-    def test_paged_caches_refuse(self, rng):
-        x = _inputs(rng)
-        layer = _layer(x)
-        pool = layer.init_paged_cache(4, 16)
-        from keras_mha.attention.paged import RaggedBatch
-
-        batch = RaggedBatch(np.zeros((1, 4), "int32"),
-                            np.zeros((1,), "int32"),
-                            np.ones((1,), "int32"))
-        with pytest.raises(ValueError, match="paged cache takes no"):
-            layer(x[:1, :1], x[:1, :1], use_causal_mask=True, cache=pool,
-                  cache_update_index=batch, mask_mod=keras_mha.Causal())
 
     @pytest.mark.skipif(BACKEND not in ("jax", "tensorflow"),
                         reason="traces a call: jax.jit, tf.function")

@@ -211,7 +211,9 @@ def _paged(query, key, value, spec, cache, batch, value_size=None):
     items = paged.work_items(batch, paged.page_size(cache),
                              paged.reach_of(spec), query.shape[1])
     value_size = None if cache.values is not None else value_size
-    if capabilities.compiles_eager_call((query, cache)):
+    # A mask or score function is not among what the compiled step keys.
+    if capabilities.compiles_eager_call((query, cache)) and not \
+            spec.programmed:
         return decode_kernels.graph_paged(paged.attend, query, cache, batch,
                                           spec, items, value_size), cache
     return paged.attend(query, cache, batch, spec, items, value_size), cache

@@ -378,7 +378,8 @@ def attend(query, cache, batch, spec, items, value_size=None):
         cache: the pool after the write.
         batch: the call's `RaggedBatch`.
         spec: the call's `AttentionSpec` (scale, window, chunk, soft-cap,
-            sinks, ALiBi); causal.
+            sinks, ALiBi, a mask and a score function, whose batch index
+            is the row); causal.
         items: `work_items`' `(rows, pages, grid)`.
         value_size: for a pool without value pages, `V`: the values are
             the keys' first `V` features.
@@ -428,6 +429,18 @@ def attend(query, cache, batch, spec, items, value_size=None):
     seen = ops.logical_and(key_positions < ends[:, None],
                            valid_page[:, None])  # (W, Z)
     mask = ops.logical_and(mask, seen[:, None, :])[:, None, None]
+    if spec.programmed:  # the batch index is the row
+        index = (
+            ops.reshape(row, (-1, 1, 1, 1, 1)),
+            ops.reshape(ops.arange(heads, dtype="int32"),
+                        (1, groups, -1, 1, 1)),
+            query_positions[:, None, None, :, None],
+            key_positions[:, None, None, None, :],
+        )
+        if spec.score_mod is not None:
+            scores = spec.score_mod(scores, *index)
+        if spec.mask_mod is not None:
+            mask = ops.logical_and(mask, spec.mask_mod.evaluate(*index))
     return _combine(scores, mask, (values, value_scales),
                     _by_row(rows, num_rows, grid), spec.sinks, query, batch)
 

@@ -337,7 +337,7 @@ def call_arguments(
                     False)
         cache, cache_update_index = cache.pool, paged_lib.rows_batch(
             cache, cache_update_index, length)
-    programs(mask_mod, score_mod, cache)
+    programs(mask_mod, score_mod)
     if paged_lib.is_paged(cache):  # a ragged call (`checks/paged.py`)
         return ragged_call(layer, (query, value, key), cache,
                            cache_update_index, use_causal_mask,
@@ -386,18 +386,10 @@ def call_arguments(
         )
 
 
-def programs(mask_mod, score_mod, cache):
+def programs(mask_mod, score_mod):
     """A mask and a score function: `keras_mha` objects or plain
-    functions (a `TypeError` otherwise); neither reads a paged cache."""
+    functions (a `TypeError` otherwise)."""
     if mask_mod is not None:
         rules.as_mask(mask_mod)
     if score_mod is not None:
         rules.as_score_function(score_mod)
-    if (mask_mod is not None or score_mod is not None) and (
-        paged_lib.is_paged(cache)
-    ):
-        raise ValueError(
-            "A ragged call over a paged cache takes no `mask_mod` or "
-            "`score_mod`; a dense or rolling cache does. Received: "
-            f"mask_mod={mask_mod!r}, score_mod={score_mod!r}"
-        )

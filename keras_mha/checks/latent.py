@@ -37,7 +37,7 @@ def call(layer, *, query, value, key, query_mask, value_mask, key_mask,
     Takes every argument of the call, by keyword; `return_attention_scores`
     and `training` need no check.
     """
-    programs(mask_mod, score_mod, cache)
+    programs(mask_mod, score_mod)
     if paged_lib.is_paged(cache):  # a ragged call (`checks/paged.py`)
         return ragged_call(layer, (query, value, value), cache,
                            cache_update_index, use_causal_mask,
