@@ -247,30 +247,35 @@ class TestGradients:
             np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
 
 
+def _assert_decodes_as_whole(layer, x, mask):
+    """A prompt of 50 tokens, then 5 at a time through the layer's own
+    cache, with `mask`, equal the whole sequence's call, which the mask
+    changes."""
+    whole = to_numpy(layer(x, x, use_causal_mask=True, mask_mod=mask))
+    cache = layer.init_cache(2, LENGTH)
+    out, cache = layer(x[:, :50], x[:, :50], use_causal_mask=True,
+                       cache=cache, cache_update_index=0, mask_mod=mask)
+    steps = [to_numpy(out)]
+    for t in range(50, LENGTH, 5):
+        out, cache = layer(x[:, t:t + 5], x[:, t:t + 5],
+                           use_causal_mask=True, cache=cache,
+                           cache_update_index=t, mask_mod=mask)
+        steps.append(to_numpy(out))
+    np.testing.assert_allclose(np.concatenate(steps, 1), whole,
+                               atol=2e-5, rtol=2e-5)
+    unmasked = to_numpy(layer(x, x, use_causal_mask=True))
+    assert np.abs(unmasked - whole).max() > 1e-3  # the mask is read
+
+
 class TestCaches:
     def test_decode_steps_see_the_mask_at_absolute_positions(self, rng):
-        """A prompt then one token at a time, with a dense and a rolling
+        """A prompt then five tokens at a time, with a dense and a rolling
         cache, equal the whole sequence's call."""
         x = _inputs(rng)
         mask, _ = _case("documents")
         for window in (None, 40):
-            layer = _layer(x, sliding_window=window)
-            whole = to_numpy(layer(x, x, use_causal_mask=True,
-                                   mask_mod=mask))
-            cache = layer.init_cache(2, LENGTH)
-            out, cache = layer(x[:, :50], x[:, :50], use_causal_mask=True,
-                               cache=cache, cache_update_index=0,
-                               mask_mod=mask)
-            steps = [to_numpy(out)]
-            for t in range(50, LENGTH, 5):
-                out, cache = layer(x[:, t:t + 5], x[:, t:t + 5],
-                                   use_causal_mask=True, cache=cache,
-                                   cache_update_index=t, mask_mod=mask)
-                steps.append(to_numpy(out))
-            np.testing.assert_allclose(np.concatenate(steps, 1), whole,
-                                       atol=2e-5, rtol=2e-5)
-            unmasked = to_numpy(layer(x, x, use_causal_mask=True))
-            assert np.abs(unmasked - whole).max() > 1e-3  # the mask is read
+            _assert_decodes_as_whole(_layer(x, sliding_window=window), x,
+                                     mask)
 
     def test_the_latent_layer_decodes_with_a_mask(self, rng):
         x = _inputs(rng)
@@ -278,22 +283,7 @@ class TestCaches:
             num_heads=2, kv_lora_rank=8, qk_nope_head_dim=4,
             qk_rope_head_dim=4, v_head_dim=4,
             rotary_embedding=keras_mha.RotaryEmbedding())
-        mask, _ = _case("documents")
-        whole = to_numpy(layer(x, x, use_causal_mask=True, mask_mod=mask))
-        cache = layer.init_cache(2, LENGTH)
-        out, cache = layer(x[:, :50], x[:, :50], use_causal_mask=True,
-                           cache=cache, cache_update_index=0, mask_mod=mask)
-        steps = [to_numpy(out)]
-        for t in range(50, LENGTH, 5):
-            out, cache = layer(x[:, t:t + 5], x[:, t:t + 5],
-                               use_causal_mask=True, cache=cache,
-                               cache_update_index=t, mask_mod=mask)
-            steps.append(to_numpy(out))
-        np.testing.assert_allclose(np.concatenate(steps, 1), whole,
-                                   atol=2e-5, rtol=2e-5)
-        unmasked = to_numpy(layer(x, x, use_causal_mask=True))
-        assert np.abs(unmasked - whole).max() > 1e-3  # the mask is read
-
+        _assert_decodes_as_whole(layer, x, _case("documents")[0])
 
     def test_ragged_steps_over_pages_see_the_mask(self, rng):
         """A paged cache: both rows' prompts in one ragged call, then one

@@ -42,7 +42,7 @@ _Geometry = collections.namedtuple(
 
 
 def call_mask(spec):
-    """The spec's whole mask as one `rules.Mask`, or `None` for none."""
+    """The spec's whole mask as one `rules.Mask` (`None` for none)."""
     parts = [rules.Causal() if spec.causal else None]
     if spec.window is not None:
         parts.append(rules.Window(*spec.window))
@@ -87,9 +87,9 @@ def sparse_attention(query, key, value, spec, block_size=None):
     num_heads, num_kv = query.shape[2], key.shape[2]
     groups = num_heads // num_kv
     block = block_size or tuning.value("sparse_block")
-    mask = call_mask(spec) or rules.MaskFunction(
-        lambda b, h, q, k: ops.ones((), "bool"))
-    grid = block_maps.Grid(t_len, s_len, block, query.shape[0] or 1, num_heads)
+    mask = call_mask(spec)  # never `None`: the spec has a `mask_mod`
+    grid = block_maps.Grid(t_len, s_len, block, query.shape[0] or 1,
+                           num_heads)
     geometry = _Geometry(
         block=block, query_blocks=grid.num_query_blocks,
         key_blocks=grid.num_key_blocks, key_length=s_len, groups=groups,
