@@ -77,15 +77,18 @@ def _decode_implementations():
 def jax_children_session():
     """The session that runs the tests whose work is all in JAX child
     processes (several host devices, or several processes), or `None`
-    without JAX: torch's where a `keras-mha test` run has torch
-    (`KERAS_MHA_TEST_BACKENDS`), else JAX's. JAX's own session is the
-    longest of the run, and torch's runs beside it with TensorFlow's and
-    NumPy's; a child's backend is JAX whichever session starts it."""
+    without JAX: the first of NumPy's and torch's in a `keras-mha test` run
+    (`KERAS_MHA_TEST_BACKENDS`), else JAX's. NumPy's session is the
+    shortest of the run by far, and JAX's the longest; a child's backend is
+    JAX whichever session starts it."""
     if importlib.util.find_spec("jax") is None:
         return None
     names = [name for name in
              os.environ.get("KERAS_MHA_TEST_BACKENDS", "").split(",") if name]
-    return "torch" if "torch" in names else "jax"
+    for session in ("numpy", "torch"):
+        if session in names:
+            return session
+    return "jax"
 
 
 def skip_unless_jax_children_here():
@@ -102,15 +105,15 @@ def skip_unless_jax_children_here():
 def jax_child_env(devices):
     """The environment of a JAX child process with `devices` host devices:
     this one's, its backend and Keras home JAX's, compiling with the
-    element-wise emitters of the JAX session (`testrun.XLA_TEST_FLAG`)."""
-    from keras_mha.cli.testrun import XLA_TEST_FLAG
+    flags of the JAX session (`testrun.XLA_TEST_FLAGS`)."""
+    from keras_mha.cli.testrun import xla_test_flags
 
     env = dict(os.environ)
     env.pop("KERAS_HOME", None)
     env.update(
         KERAS_BACKEND="jax",
-        XLA_FLAGS=(f"--xla_force_host_platform_device_count={devices} "
-                   f"{XLA_TEST_FLAG}"),
+        XLA_FLAGS=xla_test_flags(
+            f"--xla_force_host_platform_device_count={devices}"),
         JAX_PLATFORMS="cpu",
     )
     return env

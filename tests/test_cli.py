@@ -719,21 +719,23 @@ def test_test_tells_each_run_the_backends_of_the_whole_run(tmp_path):
     assert env["KERAS_MHA_TEST_BACKENDS"] == "jax,numpy"
 
 
-def test_test_runs_with_xlas_elementwise_emitters_where_it_compiles(
+def test_test_runs_with_the_test_flags_of_xla_where_it_compiles(
         tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     for backend in ("jax", "tensorflow"):
         env = testrun._env(backend, str(tmp_path), [backend])
-        assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x " + (
-            testrun.XLA_TEST_FLAG)
+        assert env["XLA_FLAGS"] == (
+            "--xla_dump_to=/tmp/x --xla_cpu_use_fusion_emitters=false "
+            "--xla_backend_optimization_level=0")
     # torch's session compiles nothing with XLA (the JAX children of the
-    # multi-device tests get the flag from `conftest.jax_child_env`).
+    # multi-device tests get the flags from `conftest.jax_child_env`).
     assert testrun._env("torch", str(tmp_path), ["torch"])["XLA_FLAGS"] == (
         "--xla_dump_to=/tmp/x")
-    # A choice of emitters given stays.
+    # A choice given stays.
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=true")
     assert testrun._env("jax", str(tmp_path), ["jax"])["XLA_FLAGS"] == (
-        "--xla_cpu_use_fusion_emitters=true")
+        "--xla_cpu_use_fusion_emitters=true "
+        "--xla_backend_optimization_level=0")
 
 
 def test_test_runs_share_a_folder_removed_at_the_end(tmp_path, monkeypatch,

@@ -407,7 +407,6 @@ def test_decode_with_a_sharded_cache(report, mesh, kind):
     assert "'context'" in layout
 
 
-@pytest.mark.training
 @pytest.mark.parametrize("mesh", FIT_MESHES)
 def test_fit(report, mesh):
     losses, single = report[mesh]["losses"]

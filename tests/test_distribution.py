@@ -198,7 +198,6 @@ def report():
     return json.loads(lines[-1][len("REPORT "):])
 
 
-@pytest.mark.training
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_same_as_one_device(report, strategy, case):

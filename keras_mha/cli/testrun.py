@@ -9,7 +9,7 @@ backends of the whole run (`benchmarks/tests` collects its tests that touch
 no backend on one of them only), `KERAS_MHA_TEST_SHARED`, a folder the
 runs share (removed at the end: `tests/test_checkpoints.py` saves each
 backend's files there once); JAX's and TensorFlow's runs add
-`XLA_TEST_FLAG` to `XLA_FLAGS`. With one job the output streams as
+`XLA_TEST_FLAGS` to `XLA_FLAGS`. With one job the output streams as
 it comes; with more, each backend's output is printed whole when it
 finishes. A summary line per backend closes the run; any failure (tests
 failing, no tests collected, backend not installed) makes the exit code 1.
@@ -95,13 +95,26 @@ def _command(pytest_args, color):
     return command + list(pytest_args)
 
 
-# XLA's CPU code generators: its element-wise emitters compile an op in
-# about 60% of the time its fusion emitters take, and compiling the ops of
-# eager calls for every shape they meet is most of JAX's run. The sessions
-# that compile with XLA use them, and so do the JAX child processes of the
-# multi-device tests (`tests/conftest.py`, `jax_child_env`).
-XLA_TEST_FLAG = "--xla_cpu_use_fusion_emitters=false"
+# How XLA compiles for the tests: its element-wise CPU emitters compile an op
+# in about 60% of the time its fusion emitters take, and LLVM's optimization
+# level 0 halves what is left. Compiling the ops of eager calls for every
+# shape they meet is most of JAX's run, and the tests' shapes are too small
+# for the optimizer's code to matter. The sessions that compile with XLA use
+# these, and so do the JAX child processes of the multi-device tests
+# (`tests/conftest.py`, `jax_child_env`). A flag the caller sets stays.
+XLA_TEST_FLAGS = (
+    ("xla_cpu_use_fusion_emitters", "false"),
+    ("xla_backend_optimization_level", "0"),
+)
 XLA_TEST_BACKENDS = ("jax", "tensorflow")
+
+
+def xla_test_flags(flags=""):
+    """`flags` (an `XLA_FLAGS` value) with the tests' `XLA_TEST_FLAGS` added,
+    those it sets already kept as they are."""
+    added = [f"--{name}={value}" for name, value in XLA_TEST_FLAGS
+             if f"--{name}=" not in flags]
+    return " ".join([flags.strip(), *added]).strip()
 
 
 def _env(backend, root, backends, shared=None):
@@ -109,9 +122,8 @@ def _env(backend, root, backends, shared=None):
     env["PYTHONUNBUFFERED"] = "1"  # stream lines as pytest prints them
     if shared is not None:
         env["KERAS_MHA_TEST_SHARED"] = shared
-    flags = env.get("XLA_FLAGS", "")
-    if backend in XLA_TEST_BACKENDS and "fusion_emitters" not in flags:
-        env["XLA_FLAGS"] = f"{flags} {XLA_TEST_FLAG}".strip()
+    if backend in XLA_TEST_BACKENDS:
+        env["XLA_FLAGS"] = xla_test_flags(env.get("XLA_FLAGS", ""))
     env["KERAS_MHA_TEST_BACKENDS"] = ",".join(backends)
     home = os.path.join(root, "configs", backend)
     if os.path.isdir(home):
