@@ -1,8 +1,9 @@
 """keras-hub's causal LMs on this library's attention: `adopt(model)`.
 
 Each decoder block of a keras-hub backbone holds its attention layer (under
-`_self_attention_layer`, or Gemma's `attention`). `adopt` reads every block's layer (its heads,
-rotary embedding, scale, norms, window and soft-cap, by the readers of
+`_self_attention_layer`, gpt-oss's `self_attention_layer`, or Gemma's
+`attention`). `adopt` reads every block's layer (its heads, rotary
+embedding, scale, norms, window, sinks and soft-cap, by the readers of
 `READERS`, keyed by the attention class's name), builds a `HubAttention`
 that takes over the layer's own projections (the same `EinsumDense`
 objects: nothing is copied, and LoRA, int8 quantization and layout maps
@@ -26,6 +27,7 @@ import inspect
 import keras
 from keras import ops
 
+from keras_mha import projections
 from keras_mha import vllm
 from keras_mha.cached import CachedMultiHeadAttention
 from keras_mha.layer import MultiHeadAttention
@@ -89,6 +91,22 @@ class HubAttention(CachedMultiHeadAttention):
             f"{ours}_dense" if ours in _PROJECTIONS else ours
             for ours in sublayers
         ) - {theirs for theirs, _ in sublayers.values()}
+        if "sinks" in sublayers:  # keras-hub's layer held them itself
+            self._hidden |= {"_sinks_layer"}
+
+    def save_own_variables(self, store):
+        # Where keras-hub's layer held its sinks itself (gpt-oss), they are
+        # saved as its own weight, so the file is keras-hub's.
+        if "_sinks_layer" in self._hidden:
+            store["0"] = self.sinks
+        else:
+            super().save_own_variables(store)
+
+    def load_own_variables(self, store):
+        if "_sinks_layer" in self._hidden:
+            self.sinks.assign(store["0"])
+        else:
+            super().load_own_variables(store)
 
     def __call__(self, *args, **kwargs):
         mask = kwargs.get("attention_mask")
@@ -200,8 +218,8 @@ class Reading:
         hidden_size: `E`.
         sublayers: `{our name: (keras-hub's attribute, layer)}`: the built
             projections (`query`, `key`, `value`, `output`), query/key
-            norms (`query_norm`, `key_norm`) and the `rotary_embedding`,
-            taken over as they are.
+            norms (`query_norm`, `key_norm`), the `sinks` and the
+            `rotary_embedding`, taken over as they are.
     """
 
     kwargs: dict
@@ -276,6 +294,27 @@ def _llama(attention, name):
     return Reading(kwargs, int(hidden_size), sublayers)
 
 
+def _gpt_oss(attention, name):
+    """gpt-oss: Llama's reading with biases, keras-hub's YaRN rotary layer,
+    a sink logit per head (`sinks`, a weight of the layer itself, taken
+    over as it is) and the layer's own window on every layer: keys `p - W
+    <= j <= p`, `W + 1` of them."""
+    if attention.head_dim is not None and attention.head_dim % 2:
+        raise ValueError(
+            f"The {name} rotates the first {attention.head_dim - 1} "
+            "features of its odd heads, which `adopt` does not read. "
+            f"Received: head_dim={attention.head_dim}"
+        )
+    reading = _llama(attention, name)
+    window = attention.sliding_window
+    reading.kwargs.update(
+        use_sinks=True,
+        sliding_window=int(window) + 1 if window and window > 0 else None)
+    reading.sublayers["sinks"] = ("sinks", projections.Sinks.holding(
+        attention.sinks, name="sinks", dtype=attention.dtype_policy))
+    return reading
+
+
 def _logit_scale(attention):
     """The logit scale of keras-hub's Llama-family attention: it keeps it
     only as the private `_inv_norm_factor`, with no public attribute."""
@@ -329,11 +368,13 @@ READERS = {
     "Qwen3Attention": _llama,
     "Qwen3MoeAttention": _llama,
     "Phi3Attention": _llama,
+    "GptOssAttention": _gpt_oss,
     "CachedGemmaAttention": _gemma,
     "CachedGemma3Attention": _gemma,
 }
 # The attribute under which a family's decoder block holds its attention.
-_BLOCK_ATTRIBUTES = ("_self_attention_layer", "attention")
+_BLOCK_ATTRIBUTES = ("_self_attention_layer", "self_attention_layer",
+                     "attention")
 
 
 def adopt(model):

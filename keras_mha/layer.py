@@ -341,10 +341,10 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         if not self._output_dense.built:
             self._output_dense.build(query_shape[:-1] + (heads, value_dim))
         if settings.use_sinks:  # after Keras's weights, so theirs line up
-            self._sinks_layer = projections.Sinks(
-                heads, name="sinks", dtype=self.dtype_policy
-            )
-            self._sinks_layer.build()
+            self._sinks_layer = self._adopted.pop("sinks", None) or (
+                projections.Sinks(heads, name="sinks", dtype=self.dtype_policy))
+            if not self._sinks_layer.built:
+                self._sinks_layer.build()
         self._query_norm, self._key_norm = heads_lib.build_norms(
             settings, self._adopted, self.dtype_policy)
 

@@ -179,6 +179,15 @@ class Sinks(keras.layers.Layer):
         super().__init__(**kwargs)
         self.num_heads = num_heads
 
+    @classmethod
+    def holding(cls, variable, **kwargs):
+        """A built `Sinks` whose weight is `variable` `(N,)`, not a copy
+        (`hub.adopt`: keras-hub's own)."""
+        sinks = cls(int(variable.shape[0]), **kwargs)
+        sinks.sinks = variable  # tracked as the layer's weight
+        sinks.built = True
+        return sinks
+
     def build(self, input_shape=None):
         self.sinks = self.add_weight(
             name="sinks", shape=(self.num_heads,), initializer="zeros"

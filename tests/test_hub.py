@@ -40,6 +40,9 @@ FAMILIES = {
                   dict(head_dim=8, num_experts=2, top_k=1,
                        moe_intermediate_dim=16)),
     "phi3": ("Phi3Backbone", "Phi3CausalLM", {}),
+    # gpt-oss: sinks, biases, a window of `W + 1` keys, YaRN.
+    "gpt_oss": ("GptOssBackbone", "GptOssCausalLM",
+                dict(head_dim=8, num_experts=2, top_k=2, sliding_window=3)),
     "gemma": ("GemmaBackbone", "GemmaCausalLM", dict(head_dim=8)),
     # Gemma 2: soft-caps, a window on every other layer, post norms.
     "gemma2": ("GemmaBackbone", "GemmaCausalLM",
@@ -68,7 +71,8 @@ def _model(family, seed=0):
 
 
 def _attention(block):
-    return getattr(block, "_self_attention_layer", None) or block.attention
+    return next(getattr(block, name) for name in hub._BLOCK_ATTRIBUTES
+                if getattr(block, name, None) is not None)
 
 
 def _inputs():
@@ -105,7 +109,7 @@ def _assert_logits_close(got, want):
 
 # One family per naming of keras-hub's sublayers: private projections
 # (Llama), public ones (Mixtral), query/key norms (Qwen 3), Gemma's.
-NAMINGS = ["llama", "mixtral", "qwen3", "gemma3"]
+NAMINGS = ["llama", "mixtral", "qwen3", "gemma3", "gpt_oss"]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -131,7 +135,7 @@ def test_logits_generate_and_weights(family):
     assert _attention(block) is layer
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "gpt_oss"])
 def test_masks_are_structure(family, monkeypatch):
     """Without a cache a swapped block builds no dense mask: the layer is
     called causal with the padding, and a windowed layer's path at a long
