@@ -110,6 +110,9 @@ _TABLE = (
      ("diffllama",)),
     (Family(window="attention_type", scale=1.0), ("gpt_neo",)),
     (Family(window="config"), ("mistral",)),
+    # Moshi's model masks causally only, whatever `config.sliding_window`
+    # holds.
+    (Family(window=None), ("moshi",)),
     (Family(window="config", partial_rotary=True), ("phi3",)),
     (Family(separate_gate="softplus", partial_rotary=True), ("laguna",)),
     (Family(rope_layers="no_rope_layers"), ("smollm3",)),

@@ -339,8 +339,13 @@ def _parameter_type():
 
 
 def _dense(module, owner, attribute):
-    """`Dense` of a torch `Linear`, or of `transformers`' `Conv1D` (GPT-2),
-    whose weight is stored `(in, out)`."""
+    """`Dense` of a torch `Linear`, of `transformers`' `Conv1D` (GPT-2),
+    whose weight is stored `(in, out)`, or of a wrapper that holds one
+    `linear` and uses it alone (Moshi's, `use_flexible_linear=False`)."""
+    inner = getattr(module, "linear", None)
+    if (getattr(module, "use_flexible_linear", None) is False
+            and len(list(module.children())) == 1 and inner is not None):
+        return _dense(inner, owner, f"{attribute}.linear")
     weight = getattr(module, "weight", None)
     extra = [n for n, _ in module.named_parameters() if n not in ("weight",
                                                                  "bias")]

@@ -71,6 +71,26 @@ OVERRIDES = {
     "deepseek_v2": dict(num_experts_per_tok=2, moe_intermediate_size=32),
     "plbart": dict(decoder_attention_heads=4, encoder_attention_heads=4),
     "whisper": dict(decoder_attention_heads=4, encoder_attention_heads=4),
+    # Its expert counts default to none.
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2,
+                  n_shared_experts=1),
+    # Gemma 3n's last layers read the keys and values of earlier ones (KV
+    # sharing): ten layers, the last five shared, hold both kinds.
+    "gemma3n": dict(num_hidden_layers=10, num_kv_shared_layers=5,
+                    layer_types=(["sliding_attention"] * 4
+                                 + ["full_attention"]) * 2),
+    "gemma3n_text": dict(num_hidden_layers=10, num_kv_shared_layers=5,
+                         layer_types=(["sliding_attention"] * 4
+                                      + ["full_attention"]) * 2),
+    # MusicGen's input is a row per codebook: the batch's two rows are one
+    # sequence's two codebooks.
+    "musicgen": dict(num_codebooks=2),
+    "musicgen_melody": dict(num_codebooks=2),
+    # X-MOD's adapters are per language, one of which must be the default.
+    "xmod": dict(default_language="en_XX"),
+    # Zamba 2's one attention block comes after six Mamba layers.
+    "zamba2": dict(num_hidden_layers=7, hybrid_layer_ids=[6],
+                   layers_block_type=["linear_attention"] * 6 + ["hybrid"]),
     "dots3_note_text": dict(num_key_value_heads=4),
     "dots3_note": dict(num_key_value_heads=4),
     # Its audio and vision towers, at their defaults, are most of its
