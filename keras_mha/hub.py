@@ -28,6 +28,7 @@ import keras
 from keras import ops
 
 from keras_mha import projections
+from keras_mha import rotary as rotary_lib
 from keras_mha import vllm
 from keras_mha.cached import CachedMultiHeadAttention
 from keras_mha.layer import MultiHeadAttention
@@ -85,6 +86,8 @@ class HubAttention(CachedMultiHeadAttention):
         """Names the taken-over sublayers as keras-hub's `attention` did,
         and hides this layer's public names for them that it lacks."""
         for ours, (theirs, sublayer) in sublayers.items():
+            if isinstance(sublayer, HeadsOfDense):  # keras-hub's own layer
+                sublayer = sublayer.dense
             if not hasattr(type(self), theirs):
                 object.__setattr__(self, theirs, sublayer)  # not tracked
         self._hidden = frozenset(
@@ -109,6 +112,9 @@ class HubAttention(CachedMultiHeadAttention):
             super().load_own_variables(store)
 
     def __call__(self, *args, **kwargs):
+        for theirs, ours in _CALL_NAMES.items():  # SmolLM3's blocks
+            if theirs in kwargs:
+                kwargs[ours] = kwargs.pop(theirs)
         mask = kwargs.get("attention_mask")
         if isinstance(mask, CausalMask):  # from a swapped block
             kwargs.update(attention_mask=None, causal=True,
@@ -162,6 +168,59 @@ class HubAttention(CachedMultiHeadAttention):
             return spec
         part = keras.KerasTensor(keys.shape, dtype=keys.dtype)
         return spec[0], (part, part)
+
+
+# The cache arguments as some blocks name them (SmolLM3's), and ours.
+_CALL_NAMES = {"self_attention_cache": "cache",
+               "self_attention_cache_update_index": "cache_update_index"}
+
+
+class HeadsOfDense(keras.layers.Layer):
+    """keras-hub's `Dense` `(E, N·H)` (SmolLM3's projections) seen as a
+    projection into heads: `(B, T, E)` to `(B, T, N, H)`. The `Dense` is
+    the same object, so LoRA and quantization act on it as before."""
+
+    def __init__(self, dense, num_heads, **kwargs):
+        super().__init__(name=f"{dense.name}_heads",
+                         dtype=dense.dtype_policy, **kwargs)
+        self.dense = dense
+        self.num_heads = num_heads
+        self.built = True
+
+    def call(self, inputs):
+        x = self.dense(inputs)
+        return ops.reshape(x, (*ops.shape(x)[:-1], self.num_heads, -1))
+
+
+class RotationFromTables(keras.layers.Layer):
+    """RoPE at the frequencies of keras-hub's rotary layer `source` (SmolLM3's,
+    whose call returns tables, not rotated heads): pairs `(i, i + H/2)` of
+    whole heads turned by `p·inv_freq`, at positions `start_index + t` or
+    `positions`; with `turns=False` (a NoPE layer, which holds the rotary
+    layer all the same), none. Its weight is `source`'s `inv_freq`
+    `(H/2,)`, the same variable, so it saves where keras-hub's layer saved
+    it."""
+
+    def __init__(self, source, turns=True, **kwargs):
+        super().__init__(name=source.name, dtype=source.dtype_policy,
+                         autocast=False, **kwargs)
+        self.inv_freq = source.inv_freq  # tracked as the layer's weight
+        self.turns = turns
+        self.built = True
+
+    def call(self, inputs, start_index=0, positions=None):
+        if not self.turns:
+            return inputs
+        if positions is None:
+            positions = ops.arange(ops.shape(inputs)[1], dtype="float32")
+            positions = positions + ops.cast(start_index, "float32")
+        angles = ops.multiply(
+            ops.expand_dims(ops.cast(positions, "float32"), -1),
+            ops.cast(self.inv_freq, "float32"))  # (.., L, H/2)
+        angles = ops.expand_dims(angles, -2)  # (.., L, 1, H/2)
+        dtype = keras.backend.result_type(inputs.dtype, "float32")
+        return rotary_lib.rotate(inputs, ops.cos(angles), ops.sin(angles),
+                                 inputs.shape[-1], False, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,8 +307,8 @@ _PROJECTIONS = dict(query=_dense("query"), key=_dense("key"),
                     value=_dense("value"), output=_dense("output"))
 
 
-def _no_dropout(attention, name):
-    rate = float(getattr(attention, "dropout", 0.0) or 0.0)
+def _no_dropout(rate, name):
+    rate = float(rate or 0.0)
     if rate:
         raise ValueError(
             f"The {name} drops its attention's output at rate {rate}, and "
@@ -264,7 +323,7 @@ def _llama(attention, name):
     layer, `1 / sqrt(H)`; Qwen 3's per-head norms `x·w`; the block builds
     the causal (and Mistral's window) mask, Qwen's layers apply their own
     window."""
-    _no_dropout(attention, name)
+    _no_dropout(getattr(attention, "dropout", 0.0), name)
     sublayers = _sublayers(
         attention, **_PROJECTIONS,
         query_norm=("_query_dense_layer_norm",),
@@ -315,6 +374,40 @@ def _gpt_oss(attention, name):
     return reading
 
 
+def _smollm3(attention, name):
+    """SmolLM3: `Dense` projections `(E, N·H)` (seen as heads, not copied),
+    the output projection `(N, H, E)`, RoPE at its rotary layer's own
+    frequencies over whole heads on the layers of `rope_layer_enabled_list`
+    (the others NoPE), `1 / sqrt(H)`; the block builds the causal mask."""
+    _no_dropout(attention.attention_dropout, name)
+    head_dim = int(attention.head_dim)
+    if int(head_dim * attention.partial_rotary_factor) != head_dim:
+        raise ValueError(
+            f"The {name} rotates part of each head, which keras-hub's "
+            "SmolLM3 applies to the whole head, and `adopt` does not read. "
+            f"Received: partial_rotary_factor="
+            f"{attention.partial_rotary_factor}"
+        )
+    heads = dict(query=attention.num_attention_heads,
+                 key=attention.num_key_value_heads,
+                 value=attention.num_key_value_heads)
+    sublayers = {
+        ours: (f"{ours[0]}_proj",
+               HeadsOfDense(getattr(attention, f"{ours[0]}_proj"), count))
+        for ours, count in heads.items()
+    }
+    sublayers["output"] = ("o_proj", attention.o_proj)
+    rotary = RotationFromTables(attention.rotary_embedding,
+                                turns=bool(attention.use_rope))
+    kwargs = dict(
+        num_heads=int(heads["query"]), key_dim=head_dim,
+        num_key_value_heads=int(heads["key"]),
+        use_bias=bool(attention.attention_bias), rotary_embedding=rotary,
+        scale=_logit_scale(attention),
+    )
+    return Reading(kwargs, int(attention.hidden_size), sublayers)
+
+
 def _logit_scale(attention):
     """The logit scale of keras-hub's Llama-family attention: it keeps it
     only as the private `_inv_norm_factor`, with no public attribute."""
@@ -326,7 +419,7 @@ def _gemma(attention, name):
     (whose output Gemma 1 and 2 reorder, the same for queries and keys, so
     no product changes), `1 / sqrt(H)` or `1 / sqrt(E / N)`, the soft-cap,
     the layer's own window; Gemma 3's query/key norms."""
-    _no_dropout(attention, name)
+    _no_dropout(getattr(attention, "dropout", 0.0), name)
     if getattr(attention, "use_bidirectional_attention", False):
         raise ValueError(
             f"The {name} attends both ways within its window "
@@ -369,12 +462,13 @@ READERS = {
     "Qwen3MoeAttention": _llama,
     "Phi3Attention": _llama,
     "GptOssAttention": _gpt_oss,
+    "SmolLM3Attention": _smollm3,
     "CachedGemmaAttention": _gemma,
     "CachedGemma3Attention": _gemma,
 }
 # The attribute under which a family's decoder block holds its attention.
 _BLOCK_ATTRIBUTES = ("_self_attention_layer", "self_attention_layer",
-                     "attention")
+                     "self_attn", "attention")
 
 
 def adopt(model):

@@ -246,10 +246,10 @@ class RotaryEmbedding(keras.layers.Layer):
         if capabilities.has_fused_rotation():
             from keras_mha.attention import kernels
 
-            rotate = (kernels.rotate_pairs if self._interleaved
-                      else kernels.rotate_half)
-            return rotate(inputs, cos, sin, d)
-        return _rotate(inputs, cos, sin, d, self._interleaved, dtype)
+            fused = (kernels.rotate_pairs if self._interleaved
+                     else kernels.rotate_half)
+            return fused(inputs, cos, sin, d)
+        return rotate(inputs, cos, sin, d, self._interleaved, dtype)
 
     def _length_dependent(self, tables, largest):
         """`(d/2,)` float32 frequencies of a call whose largest position is
@@ -300,7 +300,7 @@ class RotaryEmbedding(keras.layers.Layer):
         return config
 
 
-def _rotate(inputs, cos, sin, d, interleaved, dtype):
+def rotate(inputs, cos, sin, d, interleaved, dtype):
     """The rotation of `inputs`' first `d` features by `cos`, `sin`
     `(.., L, 1, d/2)`, computed in `dtype`; the rest pass unchanged."""
     size = inputs.shape[-1]

@@ -7,6 +7,8 @@ logits, LoRA and int8 quantization compared before and after the swap, on
 every backend.
 """
 
+import inspect
+
 import numpy as np
 import pytest
 from util import to_numpy
@@ -40,6 +42,13 @@ FAMILIES = {
                   dict(head_dim=8, num_experts=2, top_k=1,
                        moe_intermediate_dim=16)),
     "phi3": ("Phi3Backbone", "Phi3CausalLM", {}),
+    # SmolLM3: `Dense` projections, a NoPE layer.
+    "smollm3": ("SmolLM3Backbone", "SmolLM3CausalLM",
+                dict(attention_bias=False, attention_dropout=0.0,
+                     rope_layer_enabled_list=[True, False],
+                     layer_types=["full_attention"] * 2, mlp_bias=False,
+                     layer_norm_epsilon=1e-6, max_position_embeddings=64,
+                     rope_theta=10000.0, partial_rotary_factor=1.0)),
     # gpt-oss: sinks, biases, a window of `W + 1` keys, YaRN.
     "gpt_oss": ("GptOssBackbone", "GptOssCausalLM",
                 dict(head_dim=8, num_experts=2, top_k=2, sliding_window=3)),
@@ -61,7 +70,12 @@ FAMILIES = {
 
 def _model(family, seed=0):
     backbone_name, lm_name, extra = FAMILIES[family]
-    backbone = getattr(keras_hub.models, backbone_name)(**SIZES, **extra)
+    backbone_class = getattr(keras_hub.models, backbone_name)
+    sizes = dict(SIZES)
+    if "num_query_heads" not in inspect.signature(
+            backbone_class.__init__).parameters:  # SmolLM3's name
+        sizes["num_attention_heads"] = sizes.pop("num_query_heads")
+    backbone = backbone_class(**sizes, **extra)
     rng = np.random.default_rng(seed)
     for weight in backbone.weights:
         weight.assign(rng.normal(scale=0.3, size=weight.shape)
@@ -73,6 +87,15 @@ def _model(family, seed=0):
 def _attention(block):
     return next(getattr(block, name) for name in hub._BLOCK_ATTRIBUTES
                 if getattr(block, name, None) is not None)
+
+
+def _query_kernel(attention):
+    """The query projection's kernel variable (through SmolLM3's view of
+    its `Dense` once swapped)."""
+    layer = next(getattr(attention, name) for name in (
+        "_query_dense", "query_dense", "q_proj")
+        if getattr(attention, name, None) is not None)
+    return getattr(layer, "dense", layer).kernel
 
 
 def _inputs():
@@ -108,8 +131,9 @@ def _assert_logits_close(got, want):
 
 
 # One family per naming of keras-hub's sublayers: private projections
-# (Llama), public ones (Mixtral), query/key norms (Qwen 3), Gemma's.
-NAMINGS = ["llama", "mixtral", "qwen3", "gemma3", "gpt_oss"]
+# (Llama), public ones (Mixtral), query/key norms (Qwen 3), Gemma's, sinks
+# held by the layer itself (gpt-oss), `Dense` projections (SmolLM3).
+NAMINGS = ["llama", "mixtral", "qwen3", "gemma3", "gpt_oss", "smollm3"]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -120,14 +144,13 @@ def test_logits_generate_and_weights(family):
     want_logits = _logits(model, inputs)
     want = _generate(model, inputs)
     block = model.backbone.transformer_layers[0]
-    attention = _attention(block)
-    query = getattr(attention, "_query_dense", None) or attention.query_dense
+    query = _query_kernel(_attention(block))
     count = len(model.weights)
     assert keras_mha.adopt(model) is model
     for each in model.backbone.transformer_layers:
         assert isinstance(_attention(each), hub.HubAttention)
     layer = _attention(block)
-    assert layer.query_dense is query  # the same variables
+    assert _query_kernel(layer) is query  # the same variables
     assert len(model.weights) == count
     _assert_logits_close(_logits(model, inputs), want_logits)
     np.testing.assert_array_equal(_generate(model, inputs), want)
@@ -255,10 +278,14 @@ def test_lora(family):
     model, inputs = _model(family), _inputs()
     want = _logits(model, inputs)
     keras_mha.adopt(model)
-    model.backbone.enable_lora(rank=2)
+    # keras-hub's default targets are `query` and `value`; SmolLM3's
+    # projections are `q_proj` and `v_proj`.
+    targets = ["q_proj", "v_proj"] if family == "smollm3" else None
+    model.backbone.enable_lora(rank=2, target_layer_names=targets)
     names = [w.path for w in model.trainable_weights]
     assert any("lora" in name for name in names)
-    assert not any("query/kernel" in name for name in names)
+    query = "q_proj" if targets else "query"
+    assert not any(f"{query}/kernel" in name for name in names)
     _assert_logits_close(_logits(model, inputs), want)
 
 
