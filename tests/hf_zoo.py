@@ -107,6 +107,15 @@ OVERRIDES = {
 }
 
 
+# Families whose default config does not construct: what it needs. The
+# Gemma 4 assistant's checks want no per-layer inputs, which its default
+# text config has.
+DEFAULTS = {
+    "gemma4_assistant": dict(text_config=dict(
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One attention module's call inside a model: `module`, the model's
@@ -135,7 +144,8 @@ def _text_classes(model_type):
     names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     model_class = getattr(transformers, names[model_type])
     config_class = model_class.config_class
-    text = getattr(config_class(), "text_config", None)
+    text = getattr(config_class(**DEFAULTS.get(model_type, {})),
+                   "text_config", None)
     text_type = getattr(text, "model_type", None)
     if text is None or not text_type:
         return model_class, config_class

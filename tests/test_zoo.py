@@ -64,7 +64,6 @@ FEATURES = {
 # Families whose tiny model does not build from their defaults, and why.
 NOT_BUILT = {
     "blt": "its tiny model runs over two minutes (byte-level patching)",
-    "gemma4_assistant": "its config needs a per-layer input size of 0",
     "longcat_flash": "its tiny model fails in its own forward: sizes its "
                      "config does not tie together",
     "mamba2": "its state-space heads do not shrink with the others",
