@@ -56,9 +56,10 @@ class Family:
         norms_after_rope: whether the query/key norms come after the
             rotary embedding (Hunyuan), as `qk_norm_after_rope=True`.
         alibi: whether the model adds ALiBi's biases, with the slopes of
-            the layer's `use_alibi` (BLOOM, MPT; Falcon with
-            `config.alibi`). A module whose forward takes `alibi` from a
-            family not marked so is refused.
+            the layer's `use_alibi` (BLOOM, MPT). A module whose forward
+            takes `alibi`, or whose config has `alibi=True` (Falcon's,
+            whose biases are divided by `sqrt(H)`), from a family not
+            marked so is refused.
         refused: why the family cannot be imported, or `None`.
     """
 

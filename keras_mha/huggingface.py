@@ -223,7 +223,7 @@ def _fixed_arguments(module, config, name, family, structure, head_layout,
         * structure.logit_factor,
         attn_logits_soft_cap=None if soft_cap is None else float(soft_cap),
         use_sinks=structure.sinks is not None,
-        use_alibi=_uses_alibi(module, name, family),
+        use_alibi=_uses_alibi(module, name, family, config),
         sliding_window=window,
         qk_norm=qk_norm,
         qk_norm_scope=qk_norm_scope,
@@ -432,12 +432,21 @@ def _uses_rope(module, family, config):
             or hasattr(module, "rotary_emb"))
 
 
-def _uses_alibi(module, name, family):
+def _uses_alibi(module, name, family, config):
     """Whether the model adds ALiBi's biases to the module's logits: the
-    family's row says so; a forward that takes `alibi` otherwise is
-    refused, since its slopes are the family's code."""
+    family's row says so; a forward that takes `alibi`, or a config that
+    asks for it (`config.alibi`: Falcon's model adds its biases divided by
+    `sqrt(H)` to the mask), is refused otherwise, since how the biases are
+    made is the family's code."""
     if family.alibi:
         return True
+    if getattr(config, "alibi", False) is True:
+        raise ValueError(
+            f"The {name}'s model adds ALiBi biases of its own making to the "
+            "mask (`config.alibi`), which `from_torch` does not read for "
+            f"its family. Received: model_type={config.model_type!r}, "
+            "alibi=True"
+        )
     if "alibi" in hf_structure.forward_parameters(module):
         raise ValueError(
             f"The {name}'s forward takes ALiBi biases whose slopes "

@@ -146,6 +146,18 @@ def test_family_imports_or_is_refused_by_name(model_type):
         assert status == "imported", (model_type, detail)
 
 
+def test_falcon_with_alibi_is_refused_by_name():
+    """Falcon's model with `config.alibi` adds ALiBi's biases divided by
+    `sqrt(H)` into the mask its attention module takes: not the layer's
+    `use_alibi`, so refused rather than imported without them (its
+    default, rotary, imports: `test_family_imports_or_is_refused_by_name`)."""
+    model_class, config = hf_zoo.tiny_config("falcon")
+    config.alibi = True
+    module = hf_zoo.attention_modules(model_class(config))[0]
+    with pytest.raises(ValueError, match=r"FalconAttention.*alibi=True"):
+        keras_mha.from_torch(module, config=config)
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="the whole zoo runs on torch")
 def test_count_and_docs_table():
     """At least `AT_LEAST` families import, and docs/importing.md's table
