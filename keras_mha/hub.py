@@ -86,8 +86,10 @@ class HubAttention(CachedMultiHeadAttention):
         """Names the taken-over sublayers as keras-hub's `attention` did,
         and hides this layer's public names for them that it lacks."""
         for ours, (theirs, sublayer) in sublayers.items():
-            if isinstance(sublayer, HeadsOfDense):  # keras-hub's own layer
-                sublayer = sublayer.dense
+            if isinstance(sublayer, HeadsOfDense):
+                if getattr(self, theirs, None) is sublayer:
+                    continue  # our name too (BLOOM's `_output_dense`)
+                sublayer = sublayer.dense  # keras-hub's own layer
             if not hasattr(type(self), theirs):
                 object.__setattr__(self, theirs, sublayer)  # not tracked
         self._hidden = frozenset(
@@ -176,20 +178,37 @@ _CALL_NAMES = {"self_attention_cache": "cache",
 
 
 class HeadsOfDense(keras.layers.Layer):
-    """keras-hub's `Dense` `(E, N·H)` (SmolLM3's projections) seen as a
-    projection into heads: `(B, T, E)` to `(B, T, N, H)`. The `Dense` is
-    the same object, so LoRA and quantization act on it as before."""
+    """keras-hub's `Dense` seen as a projection of heads: into them, `(B,
+    T, E)` to `(B, T, N, H)` (SmolLM3's `(E, N·H)` query, key and value),
+    or with `merge=True` out of them, `(B, T, N, H)` to `(B, T, E)`
+    (BLOOM's `(N·H, E)` output). The `Dense` is the same object, so LoRA
+    and quantization act on it as before, and the view saves and loads
+    the `Dense`'s weights as its own, where keras-hub's layer kept them."""
 
-    def __init__(self, dense, num_heads, **kwargs):
+    def __init__(self, dense, num_heads, merge=False, **kwargs):
         super().__init__(name=f"{dense.name}_heads",
                          dtype=dense.dtype_policy, **kwargs)
         self.dense = dense
         self.num_heads = num_heads
+        self.merge = merge
         self.built = True
 
     def call(self, inputs):
+        if self.merge:
+            return self.dense(ops.reshape(inputs, (*ops.shape(inputs)[:-2], -1)))
         x = self.dense(inputs)
         return ops.reshape(x, (*ops.shape(x)[:-1], self.num_heads, -1))
+
+    def __dir__(self):
+        # Keras saves the sublayers it finds in `dir`: the `Dense`'s
+        # weights are this layer's own (below), not a sublayer's.
+        return [n for n in super().__dir__() if n != "dense"]
+
+    def save_own_variables(self, store):
+        self.dense.save_own_variables(store)
+
+    def load_own_variables(self, store):
+        self.dense.load_own_variables(store)
 
 
 class RotationFromTables(keras.layers.Layer):
@@ -408,6 +427,24 @@ def _smollm3(attention, name):
     return Reading(kwargs, int(attention.hidden_size), sublayers)
 
 
+def _bloom(attention, name):
+    """BLOOM: biased projections `(E, N, H)`, `1 / sqrt(H)`, ALiBi with
+    BLOOM's slopes added after the scale (keras-hub's `AlibiBias`, always
+    of `alibi_bias_max=8`, adds `m·(j - S + 1)`, the layer's `-m·(p - j)`
+    up to a shift of each row), and an output `Dense` `(N·H, E)` of the
+    merged heads."""
+    _no_dropout(attention.dropout, name)
+    sublayers = _sublayers(attention, **_PROJECTIONS)
+    num_heads = int(attention.num_heads)
+    theirs, dense = sublayers["output"]
+    sublayers["output"] = (theirs, HeadsOfDense(dense, num_heads, merge=True))
+    hidden_size = int(sublayers["query"][1].kernel.shape[0])
+    kwargs = dict(num_heads=num_heads, key_dim=int(attention.head_dim),
+                  use_bias=True, scale=float(attention.inv_norm_factor),
+                  use_alibi=True)
+    return Reading(kwargs, hidden_size, sublayers)
+
+
 def _logit_scale(attention):
     """The logit scale of keras-hub's Llama-family attention: it keeps it
     only as the private `_inv_norm_factor`, with no public attribute."""
@@ -463,6 +500,7 @@ READERS = {
     "Phi3Attention": _llama,
     "GptOssAttention": _gpt_oss,
     "SmolLM3Attention": _smollm3,
+    "BloomAttention": _bloom,
     "CachedGemmaAttention": _gemma,
     "CachedGemma3Attention": _gemma,
 }

@@ -49,6 +49,8 @@ FAMILIES = {
                      layer_types=["full_attention"] * 2, mlp_bias=False,
                      layer_norm_epsilon=1e-6, max_position_embeddings=64,
                      rope_theta=10000.0, partial_rotary_factor=1.0)),
+    # BLOOM: ALiBi, an output `Dense` of the merged heads.
+    "bloom": ("BloomBackbone", "BloomCausalLM", {}),
     # gpt-oss: sinks, biases, a window of `W + 1` keys, YaRN.
     "gpt_oss": ("GptOssBackbone", "GptOssCausalLM",
                 dict(head_dim=8, num_experts=2, top_k=2, sliding_window=3)),
@@ -71,10 +73,14 @@ FAMILIES = {
 def _model(family, seed=0):
     backbone_name, lm_name, extra = FAMILIES[family]
     backbone_class = getattr(keras_hub.models, backbone_name)
+    parameters = inspect.signature(backbone_class.__init__).parameters
     sizes = dict(SIZES)
-    if "num_query_heads" not in inspect.signature(
-            backbone_class.__init__).parameters:  # SmolLM3's name
-        sizes["num_attention_heads"] = sizes.pop("num_query_heads")
+    if "num_query_heads" not in parameters:  # SmolLM3's and BLOOM's names
+        heads = sizes.pop("num_query_heads")
+        sizes["num_attention_heads" if "num_attention_heads" in parameters
+              else "num_heads"] = heads
+    if "num_key_value_heads" not in parameters:
+        del sizes["num_key_value_heads"]
     backbone = backbone_class(**sizes, **extra)
     rng = np.random.default_rng(seed)
     for weight in backbone.weights:
@@ -132,8 +138,10 @@ def _assert_logits_close(got, want):
 
 # One family per naming of keras-hub's sublayers: private projections
 # (Llama), public ones (Mixtral), query/key norms (Qwen 3), Gemma's, sinks
-# held by the layer itself (gpt-oss), `Dense` projections (SmolLM3).
-NAMINGS = ["llama", "mixtral", "qwen3", "gemma3", "gpt_oss", "smollm3"]
+# held by the layer itself (gpt-oss), `Dense` projections (SmolLM3), an
+# output `Dense` under our own private name (BLOOM).
+NAMINGS = ["llama", "mixtral", "qwen3", "gemma3", "gpt_oss", "smollm3",
+           "bloom"]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
