@@ -230,16 +230,9 @@ class RotationFromTables(keras.layers.Layer):
     def call(self, inputs, start_index=0, positions=None):
         if not self.turns:
             return inputs
-        if positions is None:
-            positions = ops.arange(ops.shape(inputs)[1], dtype="float32")
-            positions = positions + ops.cast(start_index, "float32")
-        angles = ops.multiply(
-            ops.expand_dims(ops.cast(positions, "float32"), -1),
-            ops.cast(self.inv_freq, "float32"))  # (.., L, H/2)
-        angles = ops.expand_dims(angles, -2)  # (.., L, 1, H/2)
-        dtype = keras.backend.result_type(inputs.dtype, "float32")
-        return rotary_lib.rotate(inputs, ops.cos(angles), ops.sin(angles),
-                                 inputs.shape[-1], False, dtype)
+        return rotary_lib.turn(
+            inputs, rotary_lib.positions_of(inputs, start_index, positions),
+            ops.cast(self.inv_freq, "float32"), inputs.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -217,39 +217,13 @@ class RotaryEmbedding(keras.layers.Layer):
         tables = self._tables
         if tables is None or tables.d != d:  # `call` unbuilt, or another H
             tables = self._rope.tables(d)
-        if positions is None:
-            length = ops.shape(inputs)[1]
-            start = ops.cast(start_index, "float32")
-            positions = ops.arange(length, dtype="float32") + start  # (L,)
-            if self._rope.length_dependent:
-                largest = start + ops.cast(length - 1, "float32")
-        else:
-            positions = _checked_positions(ops.convert_to_tensor(positions))
-            positions = ops.cast(positions, "float32")  # (L,) or (B, L)
-            if self._rope.length_dependent:
-                largest = ops.amax(positions)
+        positions = positions_of(inputs, start_index, positions)
         if self._rope.length_dependent:
-            frequencies = self._length_dependent(tables, largest)
+            frequencies = self._length_dependent(tables, ops.amax(positions))
         else:
             frequencies = ops.convert_to_tensor(tables.frequencies, "float32")
-        angles = ops.multiply(
-            ops.expand_dims(positions, -1), frequencies
-        )  # (L, d/2) or (B, L, d/2)
-        for _ in range(len(inputs.shape) - 3):  # one axis per head axis
-            angles = ops.expand_dims(angles, -2)  # (.., L, 1, d/2)
-        dtype = keras.backend.result_type(inputs.dtype, "float32")
-        cos, sin = ops.cos(angles), ops.sin(angles)
-        factor = self._rope.cos_sin_factor
-        if factor != 1:
-            cos, sin = cos * factor, sin * factor
-        cos, sin = ops.cast(cos, dtype), ops.cast(sin, dtype)
-        if capabilities.has_fused_rotation():
-            from keras_mha.attention import kernels
-
-            fused = (kernels.rotate_pairs if self._interleaved
-                     else kernels.rotate_half)
-            return fused(inputs, cos, sin, d)
-        return rotate(inputs, cos, sin, d, self._interleaved, dtype)
+        return turn(inputs, positions, frequencies, d, self._interleaved,
+                    self._rope.cos_sin_factor)
 
     def _length_dependent(self, tables, largest):
         """`(d/2,)` float32 frequencies of a call whose largest position is
@@ -298,6 +272,39 @@ class RotaryEmbedding(keras.layers.Layer):
             autocast=self.autocast,
         )
         return config
+
+
+def positions_of(inputs, start_index=0, positions=None):
+    """The float32 positions of `inputs` `(B, L, ...)`: `positions` `(L,)`
+    or `(B, L)` when given, else `start_index + t`."""
+    if positions is None:
+        length = ops.shape(inputs)[1]
+        start = ops.cast(start_index, "float32")
+        return ops.arange(length, dtype="float32") + start  # (L,)
+    positions = _checked_positions(ops.convert_to_tensor(positions))
+    return ops.cast(positions, "float32")  # (L,) or (B, L)
+
+
+def turn(inputs, positions, frequencies, d, interleaved=False, factor=1.0):
+    """`inputs` `(B, L, heads..., H)` with their first `d` features turned
+    at `positions` (`positions_of`) by the float32 `frequencies` `(d/2,)`,
+    cos and sin times `factor`; torch's fused rotation where it has one."""
+    angles = ops.multiply(
+        ops.expand_dims(positions, -1), frequencies
+    )  # (L, d/2) or (B, L, d/2)
+    for _ in range(len(inputs.shape) - 3):  # one axis per head axis
+        angles = ops.expand_dims(angles, -2)  # (.., L, 1, d/2)
+    dtype = keras.backend.result_type(inputs.dtype, "float32")
+    cos, sin = ops.cos(angles), ops.sin(angles)
+    if factor != 1:
+        cos, sin = cos * factor, sin * factor
+    cos, sin = ops.cast(cos, dtype), ops.cast(sin, dtype)
+    if capabilities.has_fused_rotation():
+        from keras_mha.attention import kernels
+
+        fused = kernels.rotate_pairs if interleaved else kernels.rotate_half
+        return fused(inputs, cos, sin, d)
+    return rotate(inputs, cos, sin, d, interleaved, dtype)
 
 
 def rotate(inputs, cos, sin, d, interleaved, dtype):
