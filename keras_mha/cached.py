@@ -15,6 +15,7 @@ from keras import ops
 from keras_mha import checks
 from keras_mha import heads as heads_lib
 from keras_mha import hooks
+from keras_mha import projections
 from keras_mha import vllm
 from keras_mha.attention import attend
 from keras_mha.attention import attend_cached
@@ -137,6 +138,8 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             cache_update_index, return_attention_scores,
         )
         layout = self._layout
+        query, value, key = projections.normalized_inputs(self, query, value,
+                                                          key)
         gate = self._gate_dense(query) if self._use_gate else None
         q = layout.to_sequence(self._query_dense(query))  # (B', T, N, H)
         offset = 0 if cache_update_index is None else cache_update_index

@@ -3,13 +3,12 @@
 The projections are found by the names `transformers` gives them (separate
 `q_proj`/`k_proj`/`v_proj`, or one fused `qkv_proj`, `Wqkv`, `c_attn`,
 `query_key_value`), the head counts and sizes from the config and checked
-against the weights' shapes, and the query/key norms are read by running
-them on a probe: an RMS norm with `w` or `1 + w` as its scale, or none.
-Every parameter and submodule of the module must be accounted for: one
-that no feature of the layer reads is refused by name, since a module that
-holds more than the layer reads computes more than the layer does.
-Nothing here imports `transformers`; torch is imported only to probe a
-norm, which is a torch module.
+against the weights' shapes, and the norms are read by running them on a
+probe (`hf_norms`). Every parameter and submodule of the module must be
+accounted for: one that no feature of the layer reads is refused by name,
+since a module that holds more than the layer reads computes more than the
+layer does. Nothing here imports `transformers`; torch only for its
+`Parameter` type.
 """
 
 import dataclasses
@@ -17,6 +16,7 @@ import inspect
 
 import numpy as np
 
+from keras_mha import hf_norms
 from keras_mha import host
 
 # (query, key, value, outputs): separate projections, by the names of the
@@ -34,11 +34,6 @@ _FUSED = (
     ("c_attn", ("c_proj",)),
     ("query_key_value", ("dense",)),
 )
-_NORMS = (
-    ("q_norm", "k_norm"),
-    ("q_layernorm", "k_layernorm"),
-    ("query_layernorm", "key_layernorm"),
-)
 _GATES = ("gate_proj", "g_proj")
 # Submodules that compute nothing the layer must know of.
 _INERT = ("Dropout", "Identity", "RotaryEmbedding", "ModuleList")
@@ -49,8 +44,6 @@ _INERT_BUFFERS = ("bias", "masked_bias", "inv_freq")
 # they do: named in the refusal.
 KNOWN_UNSUPPORTED = {
     "lambda_q1": "differential attention (two softmaxes, subtracted)",
-    "attn_sub_norm": "a norm between attention and the output projection "
-                     "(BitNet's sub-norm)",
     "indexer": "a lightning indexer that picks the top-k keys per query",
     "o_norm": "a norm on the attention's output",
     "relative_position_bias": "a learned relative position bias",
@@ -86,23 +79,6 @@ class Dense:
 
 
 @dataclasses.dataclass(frozen=True)
-class Norm:
-    """A query, key or value norm, as probed.
-
-    Attributes:
-        scale: the scale it multiplies by (`w`, or `1 + w` for a norm that
-            stores `w`), `(H,)` or `(heads·H,)`; `None` for a weightless one.
-        epsilon: its epsilon.
-        bias: a LayerNorm's bias (it centers too), or `None` for an RMS
-            norm.
-    """
-
-    scale: np.ndarray
-    epsilon: float
-    bias: np.ndarray = None
-
-
-@dataclasses.dataclass(frozen=True)
 class Structure:
     """What an attention module holds.
 
@@ -114,6 +90,10 @@ class Structure:
         fused: the name of a fused query-key-value projection, or `None`.
         value_norm: a weightless `Norm` of the values (Gemma 4), or
             `None`.
+        input_norm: a `Norm` of the input inside a BERT-style block
+            (Megatron-BERT), or `None`.
+        output_norm: a `Norm` of the heads before the output projection
+            (BitNet), or `None`.
         logit_factor: what the module multiplies its logits by beyond
             its `scaling`: the square of a `qk_scale` buffer that scales
             both queries and keys (Ergo's global layers), else 1.
@@ -124,12 +104,14 @@ class Structure:
     value: Dense
     output: Dense
     gate: Dense = None
-    query_norm: Norm = None
-    key_norm: Norm = None
+    query_norm: hf_norms.Norm = None
+    key_norm: hf_norms.Norm = None
     sinks: np.ndarray = None
     fused: str = None
-    value_norm: Norm = None
+    value_norm: hf_norms.Norm = None
     logit_factor: float = 1.0
+    input_norm: hf_norms.Norm = None
+    output_norm: hf_norms.Norm = None
 
 
 def read(module, name, head_layout, family, values_are_keys=False):
@@ -171,8 +153,9 @@ def read(module, name, head_layout, family, values_are_keys=False):
         module, children, used, name, head_layout, family)
     query, gate = _output_gate(module, children, used, name, head_layout,
                                family, query, output)
-    norms = _norms(children, used, name)
-    value_norm = _value_norm(children, used, name)
+    norms = hf_norms.query_key_norms(children, used, name)
+    value_norm = hf_norms.value_norm(children, used, name)
+    output_norm = hf_norms.one_of(children, hf_norms.OUTPUT_NORMS, used, name)
     sinks = None
     if isinstance(getattr(module, "sinks", None), _parameter_type()):
         sinks = host.to_numpy(module.sinks)
@@ -182,7 +165,7 @@ def read(module, name, head_layout, family, values_are_keys=False):
         logit_factor = float(host.to_numpy(module.qk_scale)) ** 2
     check_all_read(module, children, used | {"sinks"}, name)
     return Structure(query, key, value, output, gate, *norms, sinks, fused,
-                     value_norm, logit_factor)
+                     value_norm, logit_factor, output_norm=output_norm)
 
 
 def _projections(module, children, used, name, head_layout, family):
@@ -245,21 +228,6 @@ def _output_gate(module, children, used, name, head_layout, family, query,
     return query, gate
 
 
-def _value_norm(children, used, name):
-    """The weightless `Norm` of a module's `v_norm` (Gemma 4), or `None`."""
-    if "v_norm" not in children:
-        return None
-    used.add("v_norm")
-    value_norm = _probe(children["v_norm"], name, "v_norm")
-    if value_norm.scale is not None or value_norm.bias is not None:
-        raise ValueError(
-            f"The {name}'s `v_norm` has weights, and the layer's "
-            "`value_norm` has none. Received: parameters "
-            f"{[n for n, _ in children['v_norm'].named_parameters()]}"
-        )
-    return value_norm
-
-
 def reordered(structure, order, head_layout):
     """`structure` with each query and key head's features taken in
     `order` `(H,)` (rows of the projections, their biases and the norms'
@@ -314,8 +282,9 @@ def _gate_per_feature(gate, name, attribute, num_heads, features):
 def _bert(module, children, name):
     """A BERT-style block: self-attention `self` (`query`, `key`,
     `value`) and `output` (`dense`, then the block's dropout, residual and
-    LayerNorm). The layer is the attention up to `output.dense`; the
-    residual and the LayerNorm stay the block's."""
+    LayerNorm), and a norm of its input where it has one (`INPUT_NORMS`).
+    The layer is the attention up to `output.dense`; the residual and the
+    LayerNorm stay the block's."""
     inner = dict(children["self"].named_children())
     names = ("query", "key", "value")
     if not all(n in inner for n in names) or not hasattr(children["output"],
@@ -326,10 +295,12 @@ def _bert(module, children, name):
             f"reads. Received: submodules of `self` {sorted(inner)}"
         )
     check_all_read(children["self"], inner, set(names), name)
-    check_all_read(module, children, {"self", "output"}, name)
+    used = {"self", "output"}
+    input_norm = hf_norms.one_of(children, hf_norms.INPUT_NORMS, used, name)
+    check_all_read(module, children, used, name)
     query, key, value = (_dense(inner[n], name, f"self.{n}") for n in names)
     output = _dense(children["output"].dense, name, "output.dense")
-    return Structure(query, key, value, output)
+    return Structure(query, key, value, output, input_norm=input_norm)
 
 
 def _parameter_type():
@@ -455,73 +426,6 @@ def _query_gate(query, name, head_layout, family):
         bias = None if query.bias is None else query.bias[rows]
         parts.append(Dense(query.weight[rows], bias))
     return tuple(parts)
-
-
-def _norms(children, used, name):
-    if "qk_norm" in children:  # Llama 4: one weightless norm for both
-        used.add("qk_norm")
-        norm = _probe(children["qk_norm"], name, "qk_norm")
-        return norm, norm
-    for query_name, key_name in _NORMS:
-        if query_name in children and key_name in children:
-            used.update((query_name, key_name))
-            return (_probe(children[query_name], name, query_name),
-                    _probe(children[key_name], name, key_name))
-    return None, None
-
-
-def _epsilon(norm, owner, attribute):
-    """The norm's epsilon under any of the names `transformers` uses."""
-    for epsilon_name in ("variance_epsilon", "eps", "epsilon"):
-        value = getattr(norm, epsilon_name, None)
-        if isinstance(value, (int, float)):
-            return float(value)
-    raise ValueError(
-        f"The {owner}'s `{attribute}` ({type(norm).__name__}) has no "
-        "epsilon under the names `from_torch` reads (`variance_epsilon`, "
-        "`eps`, `epsilon`). Received: attributes "
-        f"{sorted(k for k in vars(norm) if not k.startswith('_'))}"
-    )
-
-
-def _probe(norm, owner, attribute):
-    """Runs the norm on a probe: it must be `x / sqrt(mean(x²) + eps)`
-    times `w`, `1 + w` or nothing, or a LayerNorm: `(x - mean) /
-    sqrt(var + eps) · w + b`."""
-    import torch
-
-    epsilon = _epsilon(norm, owner, attribute)
-    weight = getattr(norm, "weight", None)
-    params = sorted(n for n, _ in norm.named_parameters())
-    width = 16 if weight is None else int(weight.shape[-1])
-    probe = np.random.default_rng(0).normal(1.0, 1.0, (2, width))
-    with torch.no_grad():
-        got = host.to_numpy(norm(torch.as_tensor(probe, dtype=torch.float32)))
-
-    def normalized(x):
-        return x / np.sqrt(np.mean(x**2, -1, keepdims=True) + epsilon)
-
-    candidates = []  # (scale, bias, what the norm would return)
-    if not params:
-        candidates.append((None, None, normalized(probe)))
-    if params == ["weight"]:
-        w = host.to_numpy(weight).astype(np.float64)
-        candidates += [(s, None, normalized(probe) * s) for s in (w, 1.0 + w)]
-    if params == ["bias", "weight"]:
-        w = host.to_numpy(weight).astype(np.float64)
-        b = host.to_numpy(norm.bias).astype(np.float64)
-        centered = probe - probe.mean(-1, keepdims=True)
-        candidates.append((w, b, normalized(centered) * w + b))
-    for scale, bias, want in candidates:
-        if np.allclose(got, want, rtol=1e-4, atol=1e-5):
-            as32 = lambda a: None if a is None else a.astype(np.float32)
-            return Norm(as32(scale), epsilon, as32(bias))
-    raise ValueError(
-        f"The {owner}'s `{attribute}` ({type(norm).__name__}) is neither an "
-        "RMS norm with a weight `w` or `1 + w` (or none) nor a LayerNorm, "
-        "the norms the layer has. Received: parameters "
-        f"{[n for n, _ in norm.named_parameters()]}"
-    )
 
 
 def check_all_read(module, children, used, name):

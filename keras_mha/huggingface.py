@@ -74,6 +74,11 @@ def from_transformers(module, config=None, **layer_kwargs):
       where the norm computes that: Gemma) and their epsilon as
       `qk_norm_epsilon`; weightless ones as `qk_norm="l2"`; after the
       rotary embedding where the family's row says so (Hunyuan).
+    - a BERT-style block's norm of its input as `input_norm` (the query,
+      value and key of self-attention; pass `input_norm_scope="query"`
+      for the block's cross-attention, whose memory it leaves as it is),
+      and a norm of the heads before the output projection (BitNet) as
+      `output_norm`.
     - chunks: `config.attention_chunk_size` for the layers that
       `config.layer_types` marks `"chunked_attention"`; Llama 4's
       `attn_temperature_tuning` as `query_temperature=(floor_scale,
@@ -107,7 +112,8 @@ def from_transformers(module, config=None, **layer_kwargs):
 
     Returns:
         A built `keras_mha.MultiHeadAttention` taking `(B, T, hidden_size)`
-        and returning `(B, T, hidden_size)`.
+        and returning `(B, T, hidden_size)`, or the output projection's
+        size where it differs (Zamba 2's: `output_shape`).
 
     Raises:
         ValueError: naming the module's class and what is missing: a
@@ -134,7 +140,10 @@ def from_transformers(module, config=None, **layer_kwargs):
     hidden_size = structure.query.weight.shape[1]
     fixed = _fixed_arguments(module, config, name, family, structure,
                              head_layout, value_dim)
-    if host.output_shape(layer_kwargs.get("output_shape")) == (hidden_size,):
+    output_size = structure.output.weight.shape[0]
+    if output_size != hidden_size:
+        fixed["output_shape"] = (output_size,)
+    elif host.output_shape(layer_kwargs.get("output_shape")) == (hidden_size,):
         del layer_kwargs["output_shape"]  # the default: the input's size
     layer = hf_structure.built_layer(MultiHeadAttention, fixed, layer_kwargs,
                                      name, config, hidden_size)
@@ -232,8 +241,15 @@ def _fixed_arguments(module, config, name, family, structure, head_layout,
         query_temperature=query_temperature,
         qk_norm_after_rope=qk_norm is not None and family.norms_after_rope,
         value_norm=structure.value_norm is not None,
+        input_norm=_keras_norm(structure.input_norm),
+        output_norm=_keras_norm(structure.output_norm),
         qkv_clip=_qkv_clip(module, config),
     )
+
+
+def _keras_norm(norm):
+    """The Keras layer of a probed `hf_norms.Norm`, or `None`."""
+    return None if norm is None else norm.keras_layer()
 
 
 def _rotary_embedding(module, config, name, family, head_dim):
@@ -276,12 +292,18 @@ def _set_weights(layer, structure, head_layout, value_dim, use_bias):
             getattr(layer, f"_{projection}_dense").set_weights(
                 weights(dense, (hidden_size, *shape), shape)
             )
+    output_size = structure.output.weight.shape[0]
     layer.output_dense.set_weights(
-        weights(structure.output, (num_heads, value_dim, hidden_size),
-                (hidden_size,))
-    )  # (N, V, E), (E,)
+        weights(structure.output, (num_heads, value_dim, output_size),
+                (output_size,))
+    )  # (N, V, E'), (E',)
     if structure.sinks is not None:
         layer.sinks.assign(structure.sinks)  # (N,)
+    for norm, probed, features in (
+            (layer.input_norm, structure.input_norm, hidden_size),
+            (layer.output_norm, structure.output_norm, num_heads * value_dim)):
+        if norm is not None:
+            norm.set_weights(probed.weights(features))
     for norm, probed in ((layer.query_norm, structure.query_norm),
                          (layer.key_norm, structure.key_norm)):
         if norm is not None:  # "rms" or "layer"
@@ -333,7 +355,8 @@ def _check_shapes(structure, name, head_layout):
         "query": (num_heads * head_dim, hidden_size),
         "key": (num_kv_heads * head_dim, hidden_size),
         "value": (num_kv_heads * value_dim, hidden_size),
-        "output": (hidden_size, num_heads * value_dim),
+        # Zamba 2's output is narrower than its input (`output_shape`).
+        "output": (structure.output.weight.shape[0], num_heads * value_dim),
     }
     for projection, shape in want.items():
         got = getattr(structure, projection).weight.shape
@@ -426,6 +449,8 @@ def _uses_rope(module, family, config):
     # A model may pass `None` instead (NoPE by its config: GraniteMoeHybrid
     # with `position_embedding_type=None`).
     if getattr(config, "position_embedding_type", "rope") not in ("rope",):
+        return False
+    if getattr(config, "use_mem_rope", None) is False:  # Zamba 2's NoPE
         return False
     # RecurrentGemma's module holds its rotary embedding and applies it.
     return ("position_embeddings" in hf_structure.forward_parameters(module)

@@ -308,9 +308,9 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
         compressed = self._kv_a(value)  # (B, S, R + P)
         latents = self._kv_norm(compressed[..., :rank])  # (B, S, R)
         rope_keys = compressed[..., rank:]  # (B, S, P)
-        query_tokens = _bool(query_mask)
-        key_tokens = masks_lib.combine_masks(_bool(value_mask),
-                                             _bool(key_mask))
+        query_tokens = masks_lib.boolean(query_mask)
+        key_tokens = masks_lib.combine_masks(
+            masks_lib.boolean(value_mask), masks_lib.boolean(key_mask))
         # Padding is never read, yet a weight of 0 times a NaN there is
         # NaN: zero padded tokens so garbage cannot leak into real ones.
         q = _zero_padding(q, query_tokens)
@@ -455,10 +455,6 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
             keras.KerasTensor(tuple(query.shape), dtype=self.compute_dtype),
             scores, cache,
         )
-
-
-def _bool(mask):
-    return None if mask is None else ops.cast(mask, "bool")
 
 
 def _zero_padding(x, tokens):

@@ -37,6 +37,7 @@ _SETTINGS = (
     "num_key_value_heads", "attention_chunk_size", "use_sinks", "use_alibi",
     "qk_norm", "qk_norm_scope", "qk_norm_epsilon", "query_temperature",
     "qk_norm_after_rope", "value_norm", "qkv_clip", "gate_activation",
+    "input_norm_scope",
 )
 # Keras's private names for its layers' settings, read-only here, for code
 # written against Keras's (Keras's own tests read `_flash_attention` and
@@ -54,7 +55,8 @@ _PRIVATE_NAMES = (
 @keras.saving.register_keras_serializable(package="keras_mha")
 @properties.with_read_only(
     *(name for name in _SETTINGS if name not in ("use_gate", "output_shape")),
-    "rotary_embedding", "attn_logits_soft_cap", attribute="settings.{}",
+    "rotary_embedding", "attn_logits_soft_cap", "input_norm", "output_norm",
+    attribute="settings.{}",
 )
 @properties.with_read_only(*_PRIVATE_NAMES, attribute="settings.{}",
                            name="_{}")
@@ -74,7 +76,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
 
     Weights: the `EinsumDense` sublayers `query`, `key`, (`gate`), `value`
     and `attention_output`, Keras's names, shapes and order, then `sinks`,
-    `query_norm` and `key_norm`; `set_weights(keras_layer.get_weights())`
+    `query_norm`, `key_norm`, the `input_norm`'s and the `output_norm`'s;
+    `set_weights(keras_layer.get_weights())`
     works both ways. `settings` holds the constructor's values resolved
     (`value_dim`, `num_key_value_heads` and `scale` filled in) as one
     frozen value (`keras_mha.settings.MultiHeadSettings`); read-only
@@ -152,6 +155,14 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         query_temperature: `None` or `(floor_scale, scale)`: the query at
             position `p` (after RoPE) times `1 + scale·log(1 + floor((p +
             1) / floor_scale))` (Llama 4); `p = cache_update_index + t`.
+        input_norm: `None`, or a Keras layer (`LayerNormalization`) applied
+            to the inputs before the projections (Megatron-BERT's pre-norm).
+        input_norm_scope: `"all"`: the query, value and key (of one size);
+            `"query"`: the query only (a cross-attention's memory).
+        output_norm: `None`, or a Keras layer (`RMSNormalization`) applied
+            to each token's `N·V` attention features, the heads
+            concatenated, before the gate and the output projection
+            (BitNet's sub-norm).
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -201,6 +212,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
     """
 
     _config_names = _SETTINGS  # `properties.Configured.get_config`
+    _config_layers = ("rotary_embedding", "input_norm", "output_norm")
 
     def __init__(
         self, num_heads, key_dim, value_dim=None, dropout=0.0, use_bias=True,
@@ -214,7 +226,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         use_alibi=False, attention_chunk_size=None, qk_norm=None,
         qk_norm_scope="head", qk_norm_epsilon=1e-6, query_temperature=None,
         qk_norm_after_rope=False, value_norm=False, qkv_clip=None,
-        gate_activation="sigmoid", **kwargs,
+        gate_activation="sigmoid", input_norm=None, input_norm_scope="all",
+        output_norm=None, **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
         key_dim = checks.positive_int("key_dim", key_dim)
@@ -266,6 +279,10 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             scale=spec_lib.default_scale(key_dim) if scale is None else scale,
             attn_logits_soft_cap=attn_logits_soft_cap, use_sinks=use_sinks,
             use_alibi=use_alibi, rotary_embedding=rotary_embedding,
+            input_norm=checks.norm_layer("input_norm", input_norm),
+            input_norm_scope=checks.choice(
+                "input_norm_scope", input_norm_scope, ("all", "query")),
+            output_norm=checks.norm_layer("output_norm", output_norm),
             **head_features,
         )
         self.supports_masking = True
@@ -280,13 +297,10 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
                        "The logit scale; `1 / sqrt(key_dim)` if unset.")
     query_norm = _read_only("_query_norm", "`qk_norm='rms'` or `'layer'`.")
     key_norm = _read_only("_key_norm", "`qk_norm='rms'` or `'layer'`.")
-    input_layout = _read_only(
-        "_layout", "The `AxesLayout` of the inputs the layer was built for "
-        "(`None` before `build`).")
-    input_features = _read_only(
-        "_feature_sizes", "The feature sizes of the inputs the layer was "
-        "built for, by name (`query`, `value`, `key`); `None` before "
-        "`build`.")
+    input_layout = _read_only("_layout", "The built inputs' `AxesLayout` "
+                              "(`None` before `build`).")
+    input_features = _read_only("_feature_sizes", "The built inputs' feature "
+                                "sizes by name (`None` before `build`).")
     _sublayers = dict(query="_query_dense", key="_key_dense",
                       value="_value_dense", gate="_gate_dense",
                       output="_output_dense")  # `sublayer`
@@ -347,6 +361,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
                 self._sinks_layer.build()
         self._query_norm, self._key_norm = heads_lib.build_norms(
             settings, self._adopted, self.dtype_policy)
+        projections.build_input_and_output_norms(self, query_shape, heads * value_dim)
 
     # ------------------------------------------------------------------- call
 
@@ -372,15 +387,16 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             key_segment_ids=key_segment_ids, mask_mod=mask_mod,
             score_mod=score_mod)
         layout = self._layout
+        query, value, key = projections.normalized_inputs(self, query, value,
+                                                          key)
         gate = self._gate_dense(query) if self.settings.use_gate else None
         q = layout.to_sequence(self._query_dense(query))  # (B', T, N, H)
         k = layout.to_sequence(self._key_dense(key))  # (B', S, K, H)
         v = layout.to_sequence(self._value_dense(value))  # (B', S, K, V)
-        query_tokens = _bool(layout.token_mask(query_mask))  # (B', T)
-        key_tokens = masks_lib.combine_masks(
-            _bool(layout.token_mask(value_mask)),
-            _bool(layout.token_mask(key_mask)),
-        )  # (B', S)
+        tokens = lambda mask: masks_lib.boolean(layout.token_mask(mask))
+        query_tokens = tokens(query_mask)  # (B', T)
+        key_tokens = masks_lib.combine_masks(tokens(value_mask),
+                                             tokens(key_mask))  # (B', S)
         # `heads.py`; new keys sit where the queries do when decoding.
         start = 0 if cache is None or paged else cache_update_index
         # A ragged call's tokens sit at their rows' own positions.
@@ -433,6 +449,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         """`(B', T, N, V)` context -> the call's results: the output, then
         the scores (in the returned layout) and the cache when given."""
         context = self._layout.from_sequence(context, query)  # (B, ..., N, V)
+        context = projections.normalized_heads(self, context)
         if gate is not None:
             context = ops.multiply(context, gate)
         if scores is not None:
@@ -441,21 +458,10 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         return hooks.results(self._output_dense(context), scores, cache)
 
     def attention_path(
-        self,
-        query_shape,
-        value_shape,
-        key_shape=None,
-        *,
-        query_mask=False,
-        value_mask=False,
-        key_mask=False,
-        attention_mask=False,
-        use_causal_mask=False,
-        return_attention_scores=False,
-        training=False,
-        cache=False,
-        attention_bias=False,
-        segment_ids=False,
+        self, query_shape, value_shape, key_shape=None, *, query_mask=False,
+        value_mask=False, key_mask=False, attention_mask=False,
+        use_causal_mask=False, return_attention_scores=False, training=False,
+        cache=False, attention_bias=False, segment_ids=False,
     ):
         """The path a call would run on the active backend: `"fused"`,
         `"explicit"`, `"banded"`, `"blocked"` or `"triangular"`.
@@ -465,12 +471,10 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
 
         Args:
             query_shape, value_shape, key_shape: the inputs' shapes.
-            query_mask, value_mask, key_mask, attention_mask: whether each
-                mask is given.
+            query_mask, value_mask, key_mask, attention_mask, cache,
+                attention_bias, segment_ids: whether each is given.
             use_causal_mask, return_attention_scores, training: as in
                 `call`.
-            cache: whether the call decodes with a cache.
-            attention_bias, segment_ids: whether each is given.
         """
         given = dict(query_mask=query_mask, key_mask=value_mask or key_mask,
                      attention_mask=attention_mask,
@@ -592,8 +596,4 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             return_attention_scores=call["return_attention_scores"],
             cache=call["cache"],
         ))
-
-
-def _bool(mask):
-    return None if mask is None else ops.cast(mask, "bool")
 

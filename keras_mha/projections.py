@@ -10,8 +10,10 @@ plain projection runs as a single `torch.addmm`.
 import string
 
 import keras
+from keras import ops
 
 import keras_mha.attention.capabilities as capabilities
+from keras_mha import checks
 
 
 def projection_equation(free_dims, bound_dims, output_dims):
@@ -192,3 +194,55 @@ class Sinks(keras.layers.Layer):
         self.sinks = self.add_weight(
             name="sinks", shape=(self.num_heads,), initializer="zeros"
         )
+
+
+# The norms around the projections: the layer's `input_norm` and
+# `output_norm`, Keras layers the caller gives.
+
+
+def build_input_and_output_norms(layer, query_shape, merged_heads):
+    """Builds the layer's `input_norm` for `query_shape` and its
+    `output_norm` for the query's shape with `merged_heads` (`N·V`)
+    features, and tracks both as the layer's sublayers, after its other
+    weights."""
+    settings = layer.settings
+    for name, shape in (("input_norm", query_shape),
+                        ("output_norm", query_shape[:-1] + (merged_heads,))):
+        norm = getattr(settings, name)
+        if norm is None:
+            continue
+        if name == "input_norm":
+            checks.input_norm_features(settings.input_norm_scope,
+                                       layer.input_features)
+        if not norm.built:
+            norm.build(shape)
+        setattr(layer, f"_{name}", norm)  # tracked: its weights are saved
+
+
+def normalized_inputs(layer, query, value, key):
+    """`(query, value, key)` with the layer's `input_norm` applied to the
+    query, and with `input_norm_scope="all"` to the value and key too."""
+    settings = layer.settings
+    norm = settings.input_norm
+    if norm is None:
+        return query, value, key
+    normalized = norm(query)
+    if settings.input_norm_scope == "query":
+        return normalized, value, key
+    if value is query and key is query:  # self-attention: one norm
+        return normalized, normalized, normalized
+    return normalized, norm(value), norm(key)
+
+
+def normalized_heads(layer, context):
+    """The attention's heads `(B, ..., N, V)` with the layer's
+    `output_norm` applied to each token's `N·V` features together (BitNet's
+    sub-norm), before the gate and the output projection."""
+    norm = layer.settings.output_norm
+    if norm is None:
+        return context
+    settings = layer.settings
+    shape = ops.shape(context)
+    merged = ops.reshape(
+        context, (*shape[:-2], settings.num_heads * settings.value_dim))
+    return ops.reshape(norm(merged), shape)

@@ -52,11 +52,11 @@ class Configured:
     """`get_config` and `from_config` of an attention layer, and its
     sublayers by name (`sublayer`).
 
-    The config holds the class's `_config_names` and (serialized)
-    `_config_objects`, each a field of `self.settings`, and what every
-    attention layer takes (`seed`, `rotary_embedding`, `scale` as given,
-    `attn_logits_soft_cap`); `from_config` deserializes the rotary
-    embedding.
+    The config holds the class's `_config_names`, and serialized its
+    `_config_objects` and `_config_layers` (the rotary embedding, the
+    norms), each a field of `self.settings`, and what every attention
+    layer takes (`seed`, `scale` as given, `attn_logits_soft_cap`);
+    `from_config` deserializes the layers.
     """
 
     _config_names = ()
@@ -67,6 +67,8 @@ class Configured:
         "bias_constraint",
     )
     _sublayers = {}  # `sublayer`'s names -> the attributes that hold them
+    # The settings that are layers, serialized in the config.
+    _config_layers = ("rotary_embedding",)
 
     def get_config(self):
         settings = self.settings
@@ -78,8 +80,9 @@ class Configured:
             module = modules[name.rpartition("_")[2]]
             config[name] = module.serialize(getattr(settings, name))
         config.update(
+            {name: serialized(getattr(settings, name))
+             for name in self._config_layers},
             seed=self.seed,
-            rotary_embedding=serialized(settings.rotary_embedding),
             scale=settings.given_scale,
             attn_logits_soft_cap=settings.attn_logits_soft_cap,
         )
@@ -87,7 +90,7 @@ class Configured:
 
     @classmethod
     def from_config(cls, config):
-        return cls(**with_layers(config))
+        return cls(**with_layers(config, cls._config_layers))
 
     def sublayer(self, name):
         """The built sublayer `name`, or `None` where the layer has none

@@ -91,6 +91,10 @@ class MultiHeadSettings(AttentionSettings):
         qk_norm, qk_norm_scope, qk_norm_epsilon, qk_norm_after_rope,
             value_norm, qkv_clip, query_temperature: the per-token
             transforms of the heads (`heads.py`).
+        input_norm, input_norm_scope, output_norm: `None` or the Keras
+            layers that normalize the inputs before the projections (the
+            query's only with scope `"query"`) and the heads after
+            attention (`projections.py`).
     """
 
     key_dim: int
@@ -107,6 +111,9 @@ class MultiHeadSettings(AttentionSettings):
     qk_norm_after_rope: bool
     value_norm: bool
     qkv_clip: Any
+    input_norm: Any = None
+    input_norm_scope: str = "all"
+    output_norm: Any = None
 
 
 # The latent layer's values of the settings it has not.

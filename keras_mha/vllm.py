@@ -20,6 +20,7 @@ import sys
 from keras import ops
 
 from keras_mha import heads as heads_lib
+from keras_mha import projections
 
 _CONTEXT = "keras_hub.src.vllm.context"
 
@@ -57,6 +58,7 @@ def paged_attention(layer, query, value, key, cache, context,
     from keras_hub.src.vllm.attention import vllm_paged_attention
 
     settings = layer.settings
+    query, value, key = projections.normalized_inputs(layer, query, value, key)
     positions = ops.reshape(context.positions, (-1, 1))  # (B, T) = (n, 1)
     q = heads_lib.queries(layer, layer.sublayer("query")(query), 0,
                           positions=positions)
@@ -68,6 +70,7 @@ def paged_attention(layer, query, value, key, cache, context,
         sliding_window=settings.sliding_window,
         soft_cap=settings.attn_logits_soft_cap,
     )  # (B, T, N, V)
+    context_heads = projections.normalized_heads(layer, context_heads)
     if settings.use_gate:  # rank-3 inputs: heads laid out as the gate's
         gate = layer.sublayer("gate")(query)  # (B, T, N, V)
         context_heads = ops.multiply(context_heads, gate)

@@ -136,6 +136,8 @@ def reference_attention(
     value_norm=None,
     qkv_clip=None,
     gate_activation="sigmoid",
+    input_norm=None,
+    output_norm=None,
 ):
     """Returns `(output, weights)` for rank-3 inputs, in float64.
 
@@ -151,11 +153,21 @@ def reference_attention(
     `value_norm` is `None` or the epsilon of the values' weightless RMS
     norm per head; `qkv_clip` `None` or `c`, the projections clipped to
     `[-c, c]`; `gate_activation` the output gate's, `"sigmoid"` or
-    `"softplus"`.
+    `"softplus"`. `input_norm` is `None` or `(epsilon, scale, bias,
+    memory_too)`: the query's features normalized (RMS, or a LayerNorm
+    with a `bias`), and the value's and key's with `memory_too`;
+    `output_norm` `None` or `(epsilon, scale, bias)`, each token's heads
+    normalized together before the gate.
     """
     f64 = lambda x: None if x is None else np.asarray(x, dtype="float64")
     query, value = f64(query), f64(value)
     key = value if key is None else f64(key)
+    if input_norm is not None:
+        *norm, memory_too = input_norm
+        features = lambda x: rms_norm(x[:, :, None, :], "head", *norm)[:, :, 0]
+        query = features(query)
+        if memory_too:
+            value, key = features(value), features(key)
     q = _project(query, weights["query"], weights["query_bias"])
     k = _project(key, weights["key"], weights["key_bias"])
     v = _project(value, weights["value"], weights["value_bias"])
@@ -235,6 +247,8 @@ def reference_attention(
             e = np.exp(logits - logits.max())
             probs[index][row] = (e / e.sum())[: row.sum()]
     context = np.einsum("bnts,bsnv->btnv", probs, v)
+    if output_norm is not None:
+        context = rms_norm(context, "projection", *output_norm)
     if "gate" in weights:
         gate = _project(query, weights["gate"], weights["gate_bias"])
         context = context * (np.logaddexp(0.0, gate)

@@ -145,3 +145,25 @@ def test_refused_by_name():
         with pytest.raises(ValueError, match="cannot take the layer's "
                            "use_sinks"):
             layer(x, x)
+
+
+def test_norms_and_gate_on_the_route():
+    """A layer with an `input_norm`, an `output_norm` and a gate serves a
+    prompt, token-major, as its own causal call computes it."""
+    layer = keras_mha.CachedMultiHeadAttention(
+        num_heads=4, key_dim=8, num_key_value_heads=2, use_gate=True,
+        input_norm=keras.layers.LayerNormalization(),
+        output_norm=keras.layers.RMSNormalization())
+    length = LENGTHS["a"]
+    x = np.random.default_rng(0).normal(size=(1, length, 16)).astype(
+        "float32")
+    causal = np.tril(np.ones((length, length), bool))
+    want = to_numpy(layer(x, x, attention_mask=causal))[0]
+    tokens = [("a", position) for position in range(length)]
+    packed = ops.convert_to_tensor(x[0][:, None, :])  # (tokens, 1, E)
+    with vllm_context.vllm_context_scope(
+            paged_attention_func=PagedAttention(tokens),
+            positions=ops.arange(length, dtype="int32"),
+            kv_caches=[ops.zeros((PAGES, PAGE, 2, 2, 8))]):
+        got = to_numpy(layer(packed, packed))[:, 0]
+    np.testing.assert_allclose(got, want, atol=2e-5)

@@ -30,6 +30,9 @@ OURS_ONLY = (
     "value_norm",
     "qkv_clip",
     "gate_activation",
+    "input_norm",
+    "input_norm_scope",
+    "output_norm",
 )
 
 
@@ -126,9 +129,25 @@ def reference(layer, query, value, key=None, **kwargs):
             "rotary", rotary_reference_arguments(layer.rotary_embedding,
                                                  layer.key_dim)
         )
+    if layer.input_norm is not None:
+        memory_too = layer.input_norm_scope == "all"
+        kwargs.setdefault("input_norm", (*norm_arguments(layer.input_norm),
+                                         memory_too))
+    if layer.output_norm is not None:
+        kwargs.setdefault("output_norm", norm_arguments(layer.output_norm))
     return reference_attention(
         layer_weights(layer), query, value, key=key, **kwargs
     )
+
+
+def norm_arguments(norm):
+    """`(epsilon, scale, bias)` in float64 of a Keras
+    `LayerNormalization` (centered: a bias) or `RMSNormalization`."""
+    f64 = lambda w: None if w is None else to_numpy(w).astype("float64")
+    if isinstance(norm, keras.layers.LayerNormalization):
+        bias = f64(norm.beta) if norm.center else np.zeros(norm.gamma.shape)
+        return norm.epsilon, f64(norm.gamma), bias
+    return norm.epsilon, f64(norm.scale), None
 
 
 def rotary_reference_arguments(rotary, head_dim):

@@ -67,6 +67,11 @@ def padding_mask(query_mask=None, key_mask=None):
     return mask
 
 
+def boolean(mask):
+    """`mask` as booleans, or `None`."""
+    return None if mask is None else ops.cast(mask, "bool")
+
+
 def combine_masks(*masks):
     """Logical AND of the masks that are not `None` (or `None`)."""
     result = None

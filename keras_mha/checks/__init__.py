@@ -16,6 +16,8 @@ from keras_mha.checks.arguments import positive_number
 from keras_mha.checks.arguments import boolean
 from keras_mha.checks.arguments import sliding_window
 from keras_mha.checks.arguments import rotary_embedding
+from keras_mha.checks.arguments import norm_layer
+from keras_mha.checks.arguments import input_norm_features
 from keras_mha.checks.arguments import dropout_rate
 from keras_mha.checks.arguments import choice
 from keras_mha.checks.arguments import head_features
@@ -62,8 +64,10 @@ __all__ = [
     "head_features",
     "key_value_heads",
     "flash_attention",
+    "input_norm_features",
     "input_shapes",
     "mask_argument",
+    "norm_layer",
     "output_shape",
     "positive_int",
     "positive_number",

@@ -98,6 +98,34 @@ def rotary_embedding(value):
     return value
 
 
+def norm_layer(name, value):
+    """`None`, or a Keras layer that keeps its input's shape (`input_norm`,
+    `output_norm`)."""
+    if value is not None and not isinstance(value, keras.layers.Layer):
+        raise TypeError(
+            f"Argument `{name}` must be `None` or a Keras layer that keeps "
+            "its input's shape, such as `keras.layers.LayerNormalization()`"
+            f" or `keras.layers.RMSNormalization()`. Received: {name}="
+            f"{value!r}"
+        )
+    return value
+
+
+def input_norm_features(scope, features):
+    """With `input_norm_scope="all"` the query's `input_norm` normalizes
+    the value and key too: `features` (the inputs' sizes, by name) must
+    agree."""
+    if scope == "all" and len(set(features.values())) > 1:
+        sizes = ", ".join(f"{name}={size}" for name, size in features.items())
+        raise ValueError(
+            "`input_norm_scope='all'` normalizes the value and key with the "
+            "query's `input_norm`, which needs their feature sizes to be "
+            "the query's; `input_norm_scope='query'` leaves a "
+            "cross-attention's memory as it is. Received: "
+            f"input_norm_scope='all', feature sizes {sizes}"
+        )
+
+
 def choice(name, value, choices, allow_none=False):
     """`value`, one of `choices` (strings), or `None` if allowed."""
     if value is None and allow_none:
