@@ -361,7 +361,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
                 self._sinks_layer.build()
         self._query_norm, self._key_norm = heads_lib.build_norms(
             settings, self._adopted, self.dtype_policy)
-        projections.build_input_and_output_norms(self, query_shape, heads * value_dim)
+        projections.build_norms_around(self, query_shape, heads * value_dim)
 
     # ------------------------------------------------------------------- call
 
@@ -471,10 +471,10 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
 
         Args:
             query_shape, value_shape, key_shape: the inputs' shapes.
-            query_mask, value_mask, key_mask, attention_mask, cache,
-                attention_bias, segment_ids: whether each is given.
-            use_causal_mask, return_attention_scores, training: as in
-                `call`.
+            query_mask, value_mask, key_mask, attention_mask: whether each
+                mask is given.
+            cache, attention_bias, segment_ids: whether each is given.
+            use_causal_mask, return_attention_scores, training: as in `call`.
         """
         given = dict(query_mask=query_mask, key_mask=value_mask or key_mask,
                      attention_mask=attention_mask,

@@ -200,7 +200,7 @@ class Sinks(keras.layers.Layer):
 # `output_norm`, Keras layers the caller gives.
 
 
-def build_input_and_output_norms(layer, query_shape, merged_heads):
+def build_norms_around(layer, query_shape, merged_heads):
     """Builds the layer's `input_norm` for `query_shape` and its
     `output_norm` for the query's shape with `merged_heads` (`N·V`)
     features, and tracks both as the layer's sublayers, after its other
