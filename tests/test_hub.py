@@ -15,6 +15,7 @@ from util import to_numpy
 
 import keras
 import keras_mha
+from keras import ops
 from keras_mha import hub
 
 keras_hub = pytest.importorskip("keras_hub")
@@ -54,6 +55,8 @@ FAMILIES = {
     # gpt-oss: sinks, biases, a window of `W + 1` keys, YaRN.
     "gpt_oss": ("GptOssBackbone", "GptOssCausalLM",
                 dict(head_dim=8, num_experts=2, top_k=2, sliding_window=3)),
+    # GPT-NeoX: one fused projection, partial rotary, an output `Dense`.
+    "gpt_neo_x": ("GPTNeoXBackbone", "GPTNeoXCausalLM", {}),
     "gemma": ("GemmaBackbone", "GemmaCausalLM", dict(head_dim=8)),
     # Gemma 2: soft-caps, a window on every other layer, post norms.
     "gemma2": ("GemmaBackbone", "GemmaCausalLM",
@@ -97,9 +100,9 @@ def _attention(block):
 
 def _query_kernel(attention):
     """The query projection's kernel variable (through SmolLM3's view of
-    its `Dense` once swapped)."""
+    its `Dense` once swapped; GPT-NeoX's fused one)."""
     layer = next(getattr(attention, name) for name in (
-        "_query_dense", "query_dense", "q_proj")
+        "_query_dense", "query_dense", "q_proj", "_qkv_dense")
         if getattr(attention, name, None) is not None)
     return getattr(layer, "dense", layer).kernel
 
@@ -141,7 +144,24 @@ def _assert_logits_close(got, want):
 # held by the layer itself (gpt-oss), `Dense` projections (SmolLM3), an
 # output `Dense` under our own private name (BLOOM).
 NAMINGS = ["llama", "mixtral", "qwen3", "gemma3", "gpt_oss", "smollm3",
-           "bloom"]
+           "bloom", "gpt_neo_x"]
+# keras-hub's GPT-NeoX rotates a decoding step's query at position 0, so
+# its `generate` is not its own full pass's greedy decoding; the swapped
+# model's is (`test_gpt_neo_x_steps_are_its_full_pass`).
+STEPS_AT_ZERO = ("gpt_neo_x",)
+
+
+def _greedy(model, inputs):
+    """Greedy tokens by full passes, one a position: what `generate`
+    gives when each step computes what the full pass computes."""
+    ids, mask = inputs["token_ids"].copy(), inputs["padding_mask"].copy()
+    for t in range(1, LENGTH):
+        rows = ~mask[:, t]
+        if rows.any():
+            logits = to_numpy(model({"token_ids": ids, "padding_mask": mask}))
+            ids[rows, t] = logits[rows, t - 1].argmax(-1)
+            mask[rows, t] = True
+    return ids
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -150,7 +170,8 @@ def test_logits_generate_and_weights(family):
     weight variables; a second `adopt` changes nothing."""
     model, inputs = _model(family), _inputs()
     want_logits = _logits(model, inputs)
-    want = _generate(model, inputs)
+    want = (_greedy(model, inputs) if family in STEPS_AT_ZERO
+            else _generate(model, inputs))
     block = model.backbone.transformer_layers[0]
     query = _query_kernel(_attention(block))
     count = len(model.weights)
@@ -164,6 +185,32 @@ def test_logits_generate_and_weights(family):
     np.testing.assert_array_equal(_generate(model, inputs), want)
     keras_mha.adopt(model)
     assert _attention(block) is layer
+
+
+def test_gpt_neo_x_steps_are_its_full_pass():
+    """A decoding step of the swapped GPT-NeoX gives its full pass's
+    logits at that position; keras-hub's own step does not (it rotates
+    the step's query at position 0)."""
+    ids = _inputs()["token_ids"][:1, :8]
+    errors = []
+    for swap in (False, True):
+        model = _model("gpt_neo_x")
+        full = to_numpy(model({"token_ids": ids,
+                               "padding_mask": np.ones_like(ids, bool)}))
+        if swap:
+            keras_mha.adopt(model)
+        heads = SIZES["num_query_heads"]
+        cache = ops.zeros((1, SIZES["num_layers"], 2, ids.shape[1], heads,
+                           SIZES["hidden_dim"] // heads))
+        _, _, cache = model.call_with_cache(ops.convert_to_tensor(ids),
+                                            cache, 0)  # the prefill
+        logits, _, _ = model.call_with_cache(
+            ops.convert_to_tensor(ids[:, 5:6]), cache, 5)
+        scale = np.abs(full[0, 5]).max()
+        errors.append(np.abs(to_numpy(logits)[0, 0] - full[0, 5]).max()
+                      / scale)
+    theirs, ours = errors
+    assert theirs > 1e-2 and ours < 1e-5, errors
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "gpt_oss"])
@@ -287,12 +334,13 @@ def test_lora(family):
     want = _logits(model, inputs)
     keras_mha.adopt(model)
     # keras-hub's default targets are `query` and `value`; SmolLM3's
-    # projections are `q_proj` and `v_proj`.
-    targets = ["q_proj", "v_proj"] if family == "smollm3" else None
+    # projections are `q_proj` and `v_proj`, GPT-NeoX's `query_key_value`.
+    targets = {"smollm3": ["q_proj", "v_proj"],
+               "gpt_neo_x": ["query_key_value"]}.get(family)
     model.backbone.enable_lora(rank=2, target_layer_names=targets)
     names = [w.path for w in model.trainable_weights]
     assert any("lora" in name for name in names)
-    query = "q_proj" if targets else "query"
+    query = targets[0] if targets else "query"
     assert not any(f"{query}/kernel" in name for name in names)
     _assert_logits_close(_logits(model, inputs), want)
 

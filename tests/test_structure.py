@@ -274,7 +274,7 @@ ALLOWED_PRIVATE_READS = {
         "Keras: a built block's tracker must forget the replaced layer",
     ("keras_mha/hub.py", "block._layers"):
         "Keras: a built block's sublayers must lose the replaced layer",
-    ("keras_mha/hub.py", "attention._inv_norm_factor"):
+    ("keras_mha/hub_readers.py", "attention._inv_norm_factor"):
         "keras-hub: Llama's attention keeps its scale under no public name",
     ("keras_mha/attention/decode_kernels.py",
      "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"):

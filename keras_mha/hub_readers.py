@@ -1,0 +1,384 @@
+"""How `adopt` reads each keras-hub attention class: one reader per family,
+keyed by class name in `READERS`, and the views through which the layer
+uses keras-hub's own sublayers where their shapes are not the layer's.
+
+A reader returns a `Reading`: the `HubAttention` arguments (heads, rotary
+embedding, scale, norms, window, sinks, soft-cap) and keras-hub's built
+sublayers, taken over as they are (nothing is copied). A sublayer whose
+shapes are not the layer's (a `Dense` of `N·H` features, GPT-NeoX's fused
+query-key-value projection, a rotary layer that returns tables) is used
+through a view that holds the same object, so LoRA, int8 quantization and
+layout maps act on it as before.
+
+Nothing here imports keras-hub: the layers read come from it.
+"""
+
+import dataclasses
+
+import keras
+from keras import ops
+
+from keras_mha import projections
+from keras_mha import rotary as rotary_lib
+from keras_mha.rotary import RotaryEmbedding
+
+
+class HeadsOfDense(keras.layers.Layer):
+    """keras-hub's `Dense` seen as a projection of heads: into them, `(B,
+    T, E)` to `(B, T, N, H)` (SmolLM3's `(E, N·H)` query, key and value),
+    or with `merge=True` out of them, `(B, T, N, H)` to `(B, T, E)`
+    (BLOOM's `(N·H, E)` output). The `Dense` is the same object, so LoRA
+    and quantization act on it as before, and the view saves and loads
+    the `Dense`'s weights as its own, where keras-hub's layer kept them."""
+
+    def __init__(self, dense, num_heads, merge=False, **kwargs):
+        super().__init__(name=f"{dense.name}_heads",
+                         dtype=dense.dtype_policy, **kwargs)
+        self.dense = dense
+        self.num_heads = num_heads
+        self.merge = merge
+        self.built = True
+
+    def call(self, inputs):
+        if self.merge:
+            return self.dense(ops.reshape(inputs, (*ops.shape(inputs)[:-2], -1)))
+        x = self.dense(inputs)
+        return ops.reshape(x, (*ops.shape(x)[:-1], self.num_heads, -1))
+
+    def __dir__(self):
+        # Keras saves the sublayers it finds in `dir`: the `Dense`'s
+        # weights are this layer's own (below), not a sublayer's.
+        return [n for n in super().__dir__() if n != "dense"]
+
+    def save_own_variables(self, store):
+        self.dense.save_own_variables(store)
+
+    def load_own_variables(self, store):
+        self.dense.load_own_variables(store)
+
+
+class RotationFromTables(keras.layers.Layer):
+    """RoPE at the frequencies of keras-hub's rotary layer `source` (SmolLM3's,
+    whose call returns tables, not rotated heads): pairs `(i, i + H/2)` of
+    whole heads turned by `p·inv_freq`, at positions `start_index + t` or
+    `positions`; with `turns=False` (a NoPE layer, which holds the rotary
+    layer all the same), none. Its weight is `source`'s `inv_freq`
+    `(H/2,)`, the same variable, so it saves where keras-hub's layer saved
+    it."""
+
+    def __init__(self, source, turns=True, **kwargs):
+        super().__init__(name=source.name, dtype=source.dtype_policy,
+                         autocast=False, **kwargs)
+        self.inv_freq = source.inv_freq  # tracked as the layer's weight
+        self.turns = turns
+        self.built = True
+
+    def call(self, inputs, start_index=0, positions=None):
+        if not self.turns:
+            return inputs
+        return rotary_lib.turn(
+            inputs, rotary_lib.positions_of(inputs, start_index, positions),
+            ops.cast(self.inv_freq, "float32"), inputs.shape[-1])
+
+
+class HeadsOfFused(keras.layers.Layer):
+    """One of the query, key and value of keras-hub's fused projection
+    `dense` `(E, N, 3H)` (GPT-NeoX's `query_key_value`, each head's
+    features `[query | key | value]`): heads `(B, T, N, H)`, the `part`-th
+    third of each head's. The three views of a layer share one
+    `FusedProjection`, which projects a call's input once for the three
+    (the layer projects the query, key and value of one input in turn).
+    The `dense` is keras-hub's, saved where keras-hub's layer saved it,
+    so the views save nothing of their own."""
+
+    def __init__(self, fused, part, **kwargs):
+        super().__init__(name=f"{fused.dense.name}_{part}",
+                         dtype=fused.dense.dtype_policy, **kwargs)
+        self.dense = fused.dense  # tracked: `projections.quantize` finds it
+        self._fused = fused
+        self.part = part
+        self.built = True
+
+    def call(self, inputs):
+        return self._fused.project(inputs, self.part)
+
+    def __dir__(self):
+        return [n for n in super().__dir__() if n != "dense"]
+
+    def save_own_variables(self, store):
+        pass  # keras-hub's `dense` is saved under keras-hub's name
+
+    def load_own_variables(self, store):
+        pass
+
+
+class FusedProjection:
+    """keras-hub's fused `(E, N, 3H)` projection, run once per input for
+    its three views: the output of the input last projected is kept until
+    each part has been read from it once, then dropped, so a later call
+    (new weights, a new trace) projects again."""
+
+    PARTS = ("query", "key", "value")
+
+    def __init__(self, dense, head_dim):
+        self.dense = dense
+        self.head_dim = head_dim
+        self._input = self._output = None
+        self._read = set()
+
+    def project(self, inputs, part):
+        if self._input is not inputs or part in self._read:
+            self._input, self._output = inputs, self.dense(inputs)
+            self._read = set()
+        self._read.add(part)
+        index = self.PARTS.index(part)
+        heads = self._output[..., index * self.head_dim:
+                             (index + 1) * self.head_dim]
+        if len(self._read) == len(self.PARTS):
+            self._input = self._output = None
+        return heads
+
+
+@dataclasses.dataclass
+class Reading:
+    """What a reader finds in a keras-hub attention layer.
+
+    Attributes:
+        kwargs: `HubAttention`'s constructor arguments.
+        hidden_size: `E`.
+        sublayers: `{our name: (keras-hub's attribute, layer)}`: the built
+            projections (`query`, `key`, `value`, `output`), query/key
+            norms (`query_norm`, `key_norm`), the `sinks` and the
+            `rotary_embedding`, taken over as they are.
+    """
+
+    kwargs: dict
+    hidden_size: int
+    sublayers: dict
+
+
+def _sublayers(attention, **names):
+    """`{our name: (attribute, layer)}` for the first of each name's
+    keras-hub attributes that the layer has (keras-hub names them
+    `_query_dense` in one family, `query_dense` in another)."""
+    found = {}
+    for ours, candidates in names.items():
+        for attribute in candidates:
+            if getattr(attention, attribute, None) is not None:
+                found[ours] = (attribute, getattr(attention, attribute))
+                break
+    return found
+
+
+def _dense(name):
+    return (f"_{name}_dense", f"{name}_dense")
+
+
+PROJECTIONS = dict(query=_dense("query"), key=_dense("key"),
+                    value=_dense("value"), output=_dense("output"))
+
+
+def _no_dropout(rate, name):
+    rate = float(rate or 0.0)
+    if rate:
+        raise ValueError(
+            f"The {name} drops its attention's output at rate {rate}, and "
+            "the layer drops attention weights: set the model's dropout "
+            f"to 0 before `adopt`. Received: dropout={rate}"
+        )
+
+
+def _llama(attention, name):
+    """Llama, Llama 3, Mistral, Mixtral, Qwen (2, MoE, 3, 3-MoE), Phi-3:
+    projections `(E, N, H)` (Qwen's with biases), keras-hub's rotary
+    layer, `1 / sqrt(H)`; Qwen 3's per-head norms `x·w`; the block builds
+    the causal (and Mistral's window) mask, Qwen's layers apply their own
+    window."""
+    _no_dropout(getattr(attention, "dropout", 0.0), name)
+    sublayers = _sublayers(
+        attention, **PROJECTIONS,
+        query_norm=("_query_dense_layer_norm",),
+        key_norm=("_key_dense_layer_norm",))
+    sublayers["rotary_embedding"] = ("rotary_embedding_layer",
+                                     attention.rotary_embedding_layer)
+    query = sublayers["query"][1]
+    hidden_size, num_heads, head_dim = query.kernel.shape
+    window = None
+    if getattr(attention, "use_sliding_window_attention", True):
+        # Qwen's layers keep theirs; Mistral's and Mixtral's keep the
+        # window their blocks mask with.
+        window = next((getattr(attention, n) for n in (
+            "sliding_window_size", "_sliding_window", "sliding_window")
+            if getattr(attention, n, None) is not None), None)
+    kwargs = dict(
+        num_heads=int(num_heads), key_dim=int(head_dim),
+        num_key_value_heads=int(sublayers["key"][1].kernel.shape[1]),
+        use_bias=query.bias is not None,
+        rotary_embedding=attention.rotary_embedding_layer,
+        scale=_logit_scale(attention),
+        sliding_window=None if window is None else int(window),
+    )
+    if "query_norm" in sublayers:
+        kwargs.update(qk_norm="rms",
+                      qk_norm_epsilon=float(sublayers["query_norm"][1].epsilon))
+    return Reading(kwargs, int(hidden_size), sublayers)
+
+
+def _gpt_oss(attention, name):
+    """gpt-oss: Llama's reading with biases, keras-hub's YaRN rotary layer,
+    a sink logit per head (`sinks`, a weight of the layer itself, taken
+    over as it is) and the layer's own window on every layer: keys `p - W
+    <= j <= p`, `W + 1` of them."""
+    if attention.head_dim is not None and attention.head_dim % 2:
+        raise ValueError(
+            f"The {name} rotates the first {attention.head_dim - 1} "
+            "features of its odd heads, which `adopt` does not read. "
+            f"Received: head_dim={attention.head_dim}"
+        )
+    reading = _llama(attention, name)
+    window = attention.sliding_window
+    reading.kwargs.update(
+        use_sinks=True,
+        sliding_window=int(window) + 1 if window and window > 0 else None)
+    reading.sublayers["sinks"] = ("sinks", projections.Sinks.holding(
+        attention.sinks, name="sinks", dtype=attention.dtype_policy))
+    return reading
+
+
+def _smollm3(attention, name):
+    """SmolLM3: `Dense` projections `(E, N·H)` (seen as heads, not copied),
+    the output projection `(N, H, E)`, RoPE at its rotary layer's own
+    frequencies over whole heads on the layers of `rope_layer_enabled_list`
+    (the others NoPE), `1 / sqrt(H)`; the block builds the causal mask."""
+    _no_dropout(attention.attention_dropout, name)
+    head_dim = int(attention.head_dim)
+    if int(head_dim * attention.partial_rotary_factor) != head_dim:
+        raise ValueError(
+            f"The {name} rotates part of each head, which keras-hub's "
+            "SmolLM3 applies to the whole head, and `adopt` does not read. "
+            f"Received: partial_rotary_factor="
+            f"{attention.partial_rotary_factor}"
+        )
+    heads = dict(query=attention.num_attention_heads,
+                 key=attention.num_key_value_heads,
+                 value=attention.num_key_value_heads)
+    sublayers = {
+        ours: (f"{ours[0]}_proj",
+               HeadsOfDense(getattr(attention, f"{ours[0]}_proj"), count))
+        for ours, count in heads.items()
+    }
+    sublayers["output"] = ("o_proj", attention.o_proj)
+    rotary = RotationFromTables(attention.rotary_embedding,
+                                turns=bool(attention.use_rope))
+    kwargs = dict(
+        num_heads=int(heads["query"]), key_dim=head_dim,
+        num_key_value_heads=int(heads["key"]),
+        use_bias=bool(attention.attention_bias), rotary_embedding=rotary,
+        scale=_logit_scale(attention),
+    )
+    return Reading(kwargs, int(attention.hidden_size), sublayers)
+
+
+def _bloom(attention, name):
+    """BLOOM: biased projections `(E, N, H)`, `1 / sqrt(H)`, ALiBi with
+    BLOOM's slopes added after the scale (keras-hub's `AlibiBias`, always
+    of `alibi_bias_max=8`, adds `m·(j - S + 1)`, the layer's `-m·(p - j)`
+    up to a shift of each row), and an output `Dense` `(N·H, E)` of the
+    merged heads."""
+    _no_dropout(attention.dropout, name)
+    sublayers = _sublayers(attention, **PROJECTIONS)
+    num_heads = int(attention.num_heads)
+    theirs, dense = sublayers["output"]
+    sublayers["output"] = (theirs, HeadsOfDense(dense, num_heads, merge=True))
+    hidden_size = int(sublayers["query"][1].kernel.shape[0])
+    kwargs = dict(num_heads=num_heads, key_dim=int(attention.head_dim),
+                  use_bias=True, scale=float(attention.inv_norm_factor),
+                  use_alibi=True)
+    return Reading(kwargs, hidden_size, sublayers)
+
+
+def _logit_scale(attention):
+    """The logit scale of keras-hub's Llama-family attention: it keeps it
+    only as the private `_inv_norm_factor`, with no public attribute."""
+    return float(attention._inv_norm_factor)
+
+
+def _gemma(attention, name):
+    """Gemma, Gemma 2 and Gemma 3: projections `(N, E, H)`, a rotary layer
+    (whose output Gemma 1 and 2 reorder, the same for queries and keys, so
+    no product changes), `1 / sqrt(H)` or `1 / sqrt(E / N)`, the soft-cap,
+    the layer's own window; Gemma 3's query/key norms."""
+    _no_dropout(getattr(attention, "dropout", 0.0), name)
+    if getattr(attention, "use_bidirectional_attention", False):
+        raise ValueError(
+            f"The {name} attends both ways within its window "
+            "(EmbeddingGemma), which `adopt` does not read. Received: "
+            "use_bidirectional_attention=True"
+        )
+    sublayers = _sublayers(attention, **PROJECTIONS,
+                           rotary_embedding=("rope_layer",),
+                           query_norm=("query_norm",),
+                           key_norm=("key_norm",))
+    num_heads = int(attention.num_query_heads)
+    hidden_size = int(sublayers["query"][1].kernel.shape[1])
+    head_dim = int(attention.head_dim)
+    window = None
+    if attention.use_sliding_window_attention:
+        window = int(attention.sliding_window_size)
+    normalizer = (head_dim if attention.query_head_dim_normalize
+                  else hidden_size // num_heads)
+    kwargs = dict(
+        num_heads=num_heads, key_dim=head_dim,
+        num_key_value_heads=int(attention.num_key_value_heads),
+        use_bias=False, rotary_embedding=attention.rope_layer,
+        scale=float(normalizer) ** -0.5,
+        attn_logits_soft_cap=attention.logit_soft_cap,
+        sliding_window=window,
+    )
+    if "query_norm" in sublayers:  # Gemma 3's, `x·(1 + w)`, called as is
+        kwargs.update(qk_norm="rms", qk_norm_epsilon=float(
+            sublayers["query_norm"][1].epsilon))
+    return Reading(kwargs, hidden_size, sublayers)
+
+
+def _gpt_neo_x(attention, name):
+    """GPT-NeoX: one fused biased projection `(E, N, 3H)` seen as three
+    (`HeadsOfFused`), keras-hub's rotary embedding on the first
+    `rotary_dim` features of each head at the frequencies of a head of
+    that size, `1 / sqrt(H)`, an output `Dense` `(N·H, E)` of the merged
+    heads. The layer rotates a decoding step's query at its own position;
+    keras-hub's rotates it at 0 (docs/keras_hub.md)."""
+    _no_dropout(attention.dropout, name)
+    head_dim = int(attention.attn_head_size)
+    num_heads = int(attention.num_heads)
+    fused = FusedProjection(getattr(attention, "_qkv_dense"), head_dim)
+    sublayers = {part: ("_qkv_dense", HeadsOfFused(fused, part))
+                 for part in FusedProjection.PARTS}
+    output = getattr(attention, "_output_dense")
+    sublayers["output"] = ("_output_dense",
+                           HeadsOfDense(output, num_heads, merge=True))
+    rotary = RotaryEmbedding(
+        max_wavelength=attention.rotary_max_wavelength,
+        rotary_dim=int(attention.rotary_dim), dtype=attention.dtype_policy)
+    kwargs = dict(num_heads=num_heads, key_dim=head_dim, use_bias=True,
+                  rotary_embedding=rotary, scale=head_dim**-0.5,
+                  always_return_cache=True)
+    return Reading(kwargs, int(attention.hidden_dim), sublayers)
+
+
+READERS = {
+    "LlamaAttention": _llama,
+    "CachedMistralAttention": _llama,
+    "CachedMixtralAttention": _llama,
+    "QwenAttention": _llama,
+    "QwenMoeAttention": _llama,
+    "Qwen3Attention": _llama,
+    "Qwen3MoeAttention": _llama,
+    "Phi3Attention": _llama,
+    "GptOssAttention": _gpt_oss,
+    "SmolLM3Attention": _smollm3,
+    "BloomAttention": _bloom,
+    "CachedGemmaAttention": _gemma,
+    "CachedGemma3Attention": _gemma,
+    "GPTNeoXAttention": _gpt_neo_x,
+}
