@@ -106,6 +106,9 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             cache.
         return_attention_scores: also return the attention weights.
         training: whether dropout is applied.
+        mask_mod, score_mod: a mask and a score function, as
+            `MultiHeadAttention` takes them, at the positions above
+            (keras-hub's layer has neither).
 
     Returns:
         As keras-hub's layer does, `output` `(B, T, E)` (or `output_shape`);
@@ -125,17 +128,22 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         cache_update_index=None,
         return_attention_scores=False,
         training=None,
+        mask_mod=None,
+        score_mod=None,
     ):
         if key is None:
             key = value
         serving = vllm.serving_context()
         if serving is not None:  # keras-hub's vLLM route
-            return vllm.paged_attention(self, query, value, key, cache,
-                                        serving, return_attention_scores)
+            return vllm.paged_attention(
+                self, query, value, key, cache, serving,
+                return_attention_scores,
+                programmed=mask_mod is not None or score_mod is not None)
         given, cache = cache, cache_lib.pair_tensor(cache)  # the tensor
         _check_call(
             self, query, value, key, attention_mask, cache,
-            cache_update_index, return_attention_scores,
+            cache_update_index, return_attention_scores, mask_mod=mask_mod,
+            score_mod=score_mod,
         )
         layout = self._layout
         query, value, key = projections.normalized_inputs(self, query, value,
@@ -150,7 +158,8 @@ class CachedMultiHeadAttention(MultiHeadAttention):
             k = heads_lib.keys(self, k, offset)
             v = heads_lib.values(self, v)
         spec = self._describe(query, key, attention_mask, training,
-                              return_attention_scores)
+                              return_attention_scores, mask_mod=mask_mod,
+                              score_mod=score_mod)
         if cache is None:
             context, scores = attend(q, k, v, spec)  # (B', T, N, V)
             if return_attention_scores:
@@ -247,7 +256,7 @@ def _check_cache_heads(layer):
 
 def _check_call(
     layer, query, value, key, attention_mask, cache, cache_update_index,
-    return_attention_scores, training=None,
+    return_attention_scores, training=None, mask_mod=None, score_mod=None,
 ):
     """Checks a call from shapes and dtypes alone (eager and symbolic).
 
@@ -256,6 +265,8 @@ def _check_call(
     key = value if key is None else key
     shapes, layout = checks.built_inputs(layer, query, value, key)
     checks.scores_and_flash(layer, return_attention_scores)
+    checks.programs(mask_mod, score_mod, layout,
+                    layer.settings.attention_axes)
     key_shape = shapes["key"]
     if cache is None:
         if cache_update_index is not None:

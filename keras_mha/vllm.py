@@ -38,7 +38,7 @@ def serving_context():
 
 
 def paged_attention(layer, query, value, key, cache, context,
-                    return_attention_scores=False):
+                    return_attention_scores=False, programmed=False):
     """The layer's call through vLLM's paged attention.
 
     Args:
@@ -49,12 +49,14 @@ def paged_attention(layer, query, value, key, cache, context,
             context's).
         context: keras-hub's active context (`serving_context`).
         return_attention_scores: refused (the kernel returns none).
+        programmed: whether the call has a mask or score function:
+            refused (the kernel takes neither).
 
     Returns:
         `output`, or `(output, cache)` when a cache was given, as keras-hub's
         layers return.
     """
-    _check(layer, query, value, key, return_attention_scores)
+    _check(layer, query, value, key, return_attention_scores, programmed)
     from keras_hub.src.vllm.attention import vllm_paged_attention
 
     settings = layer.settings
@@ -78,8 +80,14 @@ def paged_attention(layer, query, value, key, cache, context,
     return output if cache is None else (output, cache)
 
 
-def _check(layer, query, value, key, return_attention_scores):
+def _check(layer, query, value, key, return_attention_scores, programmed):
     settings = layer.settings
+    if programmed:
+        raise ValueError(
+            "keras-hub's vLLM paged attention takes no mask or score "
+            "function, and its serving context is active. Received: "
+            "mask_mod or score_mod given"
+        )
     refused = {
         "use_sinks": settings.use_sinks,
         "use_alibi": settings.use_alibi,

@@ -382,3 +382,39 @@ class TestBadInput:
 
         with pytest.raises(ValueError, match="promised static"):
             compiled(call)(x, _ids())
+
+
+class TestKerasHubsCachedLayer:
+    """`CachedMultiHeadAttention` takes masks and score functions too, at
+    its cache's positions."""
+
+    def test_prompt_then_steps_see_the_mask_and_scores(self, rng):
+        x = _inputs(rng)
+        twin = _layer(x)
+        layer = keras_mha.CachedMultiHeadAttention(
+            num_heads=4, key_dim=8, num_key_value_heads=2)
+        layer.build(x.shape, x.shape)
+        layer.set_weights(twin.get_weights())
+        mask, _ = _case("documents")
+        scores = rules.ScoreFunction(lambda s, b, h, q, k: s * 0.5)
+        whole = to_numpy(twin(x, x, use_causal_mask=True, mask_mod=mask,
+                              score_mod=scores))
+        causal = np.tril(np.ones((LENGTH, LENGTH), bool))
+        cache = layer.init_cache(2, LENGTH)
+        steps = []
+        for start, stop in ((0, 50), (50, 51), (51, LENGTH)):
+            out, cache = layer(x[:, start:stop], x[:, start:stop],
+                               attention_mask=causal[start:stop],
+                               cache=cache, cache_update_index=start,
+                               mask_mod=mask, score_mod=scores)
+            steps.append(to_numpy(out))
+        np.testing.assert_allclose(np.concatenate(steps, 1), whole,
+                                   atol=2e-5, rtol=2e-5)
+        plain = to_numpy(twin(x, x, use_causal_mask=True))
+        assert np.abs(plain - whole).max() > 1e-3
+
+    def test_not_a_function(self, rng):
+        x = _inputs(rng)
+        layer = keras_mha.CachedMultiHeadAttention(num_heads=4, key_dim=8)
+        with pytest.raises(TypeError, match="mask_mod"):
+            layer(x, x, mask_mod=3)

@@ -167,3 +167,16 @@ def test_norms_and_gate_on_the_route():
             kv_caches=[ops.zeros((PAGES, PAGE, 2, 2, 8))]):
         got = to_numpy(layer(packed, packed))[:, 0]
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_a_mask_function_is_refused_by_name():
+    from keras_mha.attention import rules
+
+    layer = keras_mha.CachedMultiHeadAttention(num_heads=2, key_dim=4)
+    x = np.zeros((3, 1, 8), "float32")
+    layer(x, x)
+    with vllm_context.vllm_context_scope(
+            paged_attention_func=PagedAttention([]),
+            positions=ops.zeros((3,), "int32")):
+        with pytest.raises(ValueError, match="no mask or score function"):
+            layer(x, x, mask_mod=rules.Causal())

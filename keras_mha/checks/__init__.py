@@ -37,6 +37,7 @@ from keras_mha.checks.inputs import feature_arguments
 from keras_mha.checks.inputs import built_inputs
 from keras_mha.checks.inputs import scores_and_flash
 from keras_mha.checks.inputs import call_arguments
+from keras_mha.checks.inputs import programs
 from keras_mha.checks.cache import cache_index
 from keras_mha.checks.cache import cache_call
 from keras_mha.checks.cache import cache_parts
@@ -70,6 +71,7 @@ __all__ = [
     "norm_layer",
     "output_shape",
     "positive_int",
+    "programs",
     "positive_number",
     "rotary_embedding",
     "scores_and_flash",

@@ -365,11 +365,7 @@ def call_arguments(
         layer, layout, shapes, cache, attention_bias, segment_ids,
         key_segment_ids,
     )
-    if layout.multi_axis and (mask_mod is not None or score_mod is not None):
-        raise ValueError(
-            "`mask_mod` and `score_mod` need a single attention axis. "
-            f"Received: attention_axes={settings.attention_axes}"
-        )
+    programs(mask_mod, score_mod, layout, settings.attention_axes)
     if use_causal_mask and layout.multi_axis:
         raise ValueError(
             "`use_causal_mask=True` needs a single attention axis. "
@@ -386,10 +382,17 @@ def call_arguments(
         )
 
 
-def programs(mask_mod, score_mod):
+def programs(mask_mod, score_mod, layout=None, attention_axes=None):
     """A mask and a score function: `keras_mha` objects or plain
-    functions (a `TypeError` otherwise)."""
+    functions (a `TypeError` otherwise), over one attention axis of the
+    inputs' `layout` when given."""
     if mask_mod is not None:
         rules.as_mask(mask_mod)
     if score_mod is not None:
         rules.as_score_function(score_mod)
+    programmed = mask_mod is not None or score_mod is not None
+    if layout is not None and layout.multi_axis and programmed:
+        raise ValueError(
+            "`mask_mod` and `score_mod` need a single attention axis. "
+            f"Received: attention_axes={attention_axes}"
+        )
