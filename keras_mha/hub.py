@@ -62,6 +62,8 @@ class HubAttention(CachedMultiHeadAttention):
         causal, key_mask: what a swapped block's `CausalMask` stands for,
             set by `__call__`: causal self-attention over the keys that
             `key_mask` `(B, S)` keeps.
+        position_ids: Qwen3.5's M-RoPE positions: `None`; others are
+            refused (the layer rotates each token at its index).
 
     Returns:
         `output` `(B, T, E)`, or `(output, cache)` with a cache.
@@ -100,8 +102,12 @@ class HubAttention(CachedMultiHeadAttention):
         and hides this layer's public names for them that it lacks."""
         for ours, (theirs, sublayer) in sublayers.items():
             if isinstance(sublayer, (HeadsOfDense, HeadsOfFused)):
-                if getattr(self, theirs, None) is sublayer:
-                    continue  # our name too (BLOOM's `_output_dense`)
+                held = getattr(self, theirs, None)
+                if held is sublayer:  # our name too (BLOOM's output)
+                    sublayer.saves_dense = True
+                    continue
+                if isinstance(held, HeadsOfFused):
+                    continue  # Qwen3.5's gate: its query view holds the name
                 sublayer = sublayer.dense  # keras-hub's own layer
             if not hasattr(type(self), theirs):
                 object.__setattr__(self, theirs, sublayer)  # not tracked
@@ -138,7 +144,8 @@ class HubAttention(CachedMultiHeadAttention):
 
     def call(self, hidden_states, attention_mask=None, cache=None,
              cache_update_index=None, cache_update_mask=None, training=None,
-             causal=False, key_mask=None):
+             causal=False, key_mask=None, position_ids=None):
+        _no_position_ids(position_ids)
         serving = vllm.serving_context()
         if serving is not None:  # keras-hub's vLLM route
             return vllm.paged_attention(self, hidden_states, hidden_states,
@@ -167,7 +174,8 @@ class HubAttention(CachedMultiHeadAttention):
     def compute_output_spec(self, hidden_states, attention_mask=None,
                             cache=None, cache_update_index=None,
                             cache_update_mask=None, training=None,
-                            causal=False, key_mask=None):
+                            causal=False, key_mask=None, position_ids=None):
+        _no_position_ids(position_ids)
         if cache is None:
             cache_update_index = None
         pair = isinstance(cache, (tuple, list))
@@ -189,6 +197,16 @@ class HubAttention(CachedMultiHeadAttention):
     def _uncached(self, output):
         """A call's result without a cache: `output`, or `(output, None)`."""
         return (output, None) if self.always_return_cache else output
+
+
+def _no_position_ids(position_ids):
+    if position_ids is not None:
+        raise ValueError(
+            "A swapped Qwen3.5 block was given M-RoPE `position_ids` (images "
+            "or video), which the layer does not read: it rotates each "
+            "token at its index. Received: position_ids of shape "
+            f"{tuple(position_ids.shape)}"
+        )
 
 
 # The cache arguments as some blocks name them (SmolLM3's), and ours.
@@ -244,6 +262,9 @@ def _keep_unmasked(old, new, update_mask, index):
 # The attribute under which a family's decoder block holds its attention.
 _BLOCK_ATTRIBUTES = ("_self_attention_layer", "self_attention_layer",
                      "self_attn", "attention")
+# The attribute under which a hybrid family's block holds linear attention
+# (Qwen3.5's `GatedDeltaNet`), which `adopt` leaves as it is.
+_LINEAR_ATTRIBUTES = ("_linear_attn",)
 
 
 def adopt(model):
@@ -276,6 +297,9 @@ def adopt(model):
     for block in blocks:
         attribute = next((a for a in _BLOCK_ATTRIBUTES
                           if getattr(block, a, None) is not None), None)
+        if attribute is None and any(getattr(block, a, None) is not None
+                                     for a in _LINEAR_ATTRIBUTES):
+            continue  # linear attention, not softmax: left as it is
         attention = getattr(block, attribute or _BLOCK_ATTRIBUTES[0], None)
         if isinstance(attention, HubAttention):
             continue  # adopted already

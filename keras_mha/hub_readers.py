@@ -82,47 +82,54 @@ class RotationFromTables(keras.layers.Layer):
 
 
 class HeadsOfFused(keras.layers.Layer):
-    """One of the query, key and value of keras-hub's fused projection
-    `dense` `(E, N, 3H)` (GPT-NeoX's `query_key_value`, each head's
-    features `[query | key | value]`): heads `(B, T, N, H)`, the `part`-th
-    third of each head's. The three views of a layer share one
-    `FusedProjection`, which projects a call's input once for the three
-    (the layer projects the query, key and value of one input in turn).
-    The `dense` is keras-hub's, saved where keras-hub's layer saved it,
-    so the views save nothing of their own."""
+    """One part of keras-hub's fused projection `dense` `(E, N, P·H)`,
+    each head's features the parts in turn: GPT-NeoX's `query_key_value`
+    (`[query | key | value]`), Qwen3.5's query (`[query | gate]`). Heads
+    `(B, T, N, H)`, the `part`'s `H` of each head's, through `activation`
+    if given (the gate's sigmoid). A layer's views of one `dense` share
+    one `FusedProjection`, which projects a call's input once for all
+    (the layer projects the parts of one input in turn). The `dense` is
+    keras-hub's, saved where keras-hub's layer saved it: by the view that
+    sits at keras-hub's attribute (`saves_dense`, Qwen3.5's query), else
+    under keras-hub's name beside the views (GPT-NeoX's)."""
 
-    def __init__(self, fused, part, **kwargs):
+    saves_dense = False  # set by `HubAttention._present_as`
+
+    def __init__(self, fused, part, activation=None, **kwargs):
         super().__init__(name=f"{fused.dense.name}_{part}",
                          dtype=fused.dense.dtype_policy, **kwargs)
         self.dense = fused.dense  # tracked: `projections.quantize` finds it
         self._fused = fused
         self.part = part
+        self.activation = activation
         self.built = True
 
     def call(self, inputs):
-        return self._fused.project(inputs, self.part)
+        heads = self._fused.project(inputs, self.part)
+        return heads if self.activation is None else self.activation(heads)
 
     def __dir__(self):
         return [n for n in super().__dir__() if n != "dense"]
 
     def save_own_variables(self, store):
-        pass  # keras-hub's `dense` is saved under keras-hub's name
+        if self.saves_dense:
+            self.dense.save_own_variables(store)
 
     def load_own_variables(self, store):
-        pass
+        if self.saves_dense:
+            self.dense.load_own_variables(store)
 
 
 class FusedProjection:
-    """keras-hub's fused `(E, N, 3H)` projection, run once per input for
-    its three views: the output of the input last projected is kept until
-    each part has been read from it once, then dropped, so a later call
-    (new weights, a new trace) projects again."""
+    """keras-hub's fused `(E, N, P·H)` projection of the `parts` (names),
+    run once per input for its views: the output of the input last
+    projected is kept until each part has been read from it once, then
+    dropped, so a later call (new weights, a new trace) projects again."""
 
-    PARTS = ("query", "key", "value")
-
-    def __init__(self, dense, head_dim):
+    def __init__(self, dense, head_dim, parts):
         self.dense = dense
         self.head_dim = head_dim
+        self.parts = tuple(parts)
         self._input = self._output = None
         self._read = set()
 
@@ -131,10 +138,10 @@ class FusedProjection:
             self._input, self._output = inputs, self.dense(inputs)
             self._read = set()
         self._read.add(part)
-        index = self.PARTS.index(part)
+        index = self.parts.index(part)
         heads = self._output[..., index * self.head_dim:
                              (index + 1) * self.head_dim]
-        if len(self._read) == len(self.PARTS):
+        if len(self._read) == len(self.parts):
             self._input = self._output = None
         return heads
 
@@ -351,9 +358,10 @@ def _gpt_neo_x(attention, name):
     _no_dropout(attention.dropout, name)
     head_dim = int(attention.attn_head_size)
     num_heads = int(attention.num_heads)
-    fused = FusedProjection(getattr(attention, "_qkv_dense"), head_dim)
+    fused = FusedProjection(getattr(attention, "_qkv_dense"), head_dim,
+                            ("query", "key", "value"))
     sublayers = {part: ("_qkv_dense", HeadsOfFused(fused, part))
-                 for part in FusedProjection.PARTS}
+                 for part in fused.parts}
     output = getattr(attention, "_output_dense")
     sublayers["output"] = ("_output_dense",
                            HeadsOfDense(output, num_heads, merge=True))
@@ -364,6 +372,41 @@ def _gpt_neo_x(attention, name):
                   rotary_embedding=rotary, scale=head_dim**-0.5,
                   always_return_cache=True)
     return Reading(kwargs, int(attention.hidden_dim), sublayers)
+
+
+def _qwen3_5(attention, name):
+    """Qwen3.5's softmax layers: a query projection `(E, N, 2H)` of each
+    head's query and gate (`HeadsOfFused`, the gate through its sigmoid),
+    key and value `(E, K, H)`, per-head query/key norms of `1 + w` (called
+    as they are), keras-hub's rotary embedding on the first `rotary_dim`
+    features, `1 / sqrt(H)`, the layer's window. Its M-RoPE positions
+    (images, video) are not read: a call with `position_ids` is refused."""
+    _no_dropout(attention.dropout, name)
+    head_dim = int(attention.head_dim)
+    sublayers = _sublayers(attention, key=_dense("key"),
+                           value=_dense("value"), output=_dense("output"),
+                           query_norm=("_query_norm",),
+                           key_norm=("_key_norm",))
+    fused = FusedProjection(getattr(attention, "_query_dense"), head_dim,
+                            ("query", "gate"))
+    sublayers["query"] = ("_query_dense", HeadsOfFused(fused, "query"))
+    sublayers["gate"] = ("_query_dense",
+                         HeadsOfFused(fused, "gate", activation=ops.sigmoid))
+    rotary = RotaryEmbedding(
+        max_wavelength=attention.rope_max_wavelength,
+        scaling_factor=attention.rope_scaling_factor,
+        rotary_dim=int(attention.rotary_dim), dtype=attention.dtype_policy)
+    window = attention.sliding_window_size
+    kwargs = dict(
+        num_heads=int(attention.num_query_heads), key_dim=head_dim,
+        num_key_value_heads=int(attention.num_key_value_heads),
+        use_bias=False, use_gate=True, rotary_embedding=rotary,
+        scale=head_dim**-0.5, qk_norm="rms",
+        qk_norm_epsilon=float(attention.layer_norm_epsilon),
+        sliding_window=None if not window else int(window),
+    )
+    hidden_size = int(sublayers["key"][1].kernel.shape[0])
+    return Reading(kwargs, hidden_size, sublayers)
 
 
 READERS = {
@@ -381,4 +424,5 @@ READERS = {
     "CachedGemmaAttention": _gemma,
     "CachedGemma3Attention": _gemma,
     "GPTNeoXAttention": _gpt_neo_x,
+    "Qwen3_5Attention": _qwen3_5,
 }

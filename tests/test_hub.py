@@ -55,6 +55,13 @@ FAMILIES = {
     # gpt-oss: sinks, biases, a window of `W + 1` keys, YaRN.
     "gpt_oss": ("GptOssBackbone", "GptOssCausalLM",
                 dict(head_dim=8, num_experts=2, top_k=2, sliding_window=3)),
+    # Qwen3.5: a linear-attention layer (left as it is), then a softmax
+    # one: a gate in the query projection, norms of `1 + w`, partial rotary.
+    "qwen3_5": ("Qwen3_5Backbone", "Qwen3_5CausalLM",
+                dict(head_dim=8, layer_types=["linear_attention",
+                                              "full_attention"],
+                     linear_num_key_heads=2, linear_num_value_heads=2,
+                     linear_key_head_dim=8, linear_value_head_dim=8)),
     # GPT-NeoX: one fused projection, partial rotary, an output `Dense`.
     "gpt_neo_x": ("GPTNeoXBackbone", "GPTNeoXCausalLM", {}),
     "gemma": ("GemmaBackbone", "GemmaCausalLM", dict(head_dim=8)),
@@ -96,6 +103,14 @@ def _model(family, seed=0):
 def _attention(block):
     return next(getattr(block, name) for name in hub._BLOCK_ATTRIBUTES
                 if getattr(block, name, None) is not None)
+
+
+def _softmax_blocks(model):
+    """The blocks that hold softmax attention (Qwen3.5's others hold
+    linear attention)."""
+    return [block for block in model.backbone.transformer_layers
+            if any(getattr(block, name, None) is not None
+                   for name in hub._BLOCK_ATTRIBUTES)]
 
 
 def _query_kernel(attention):
@@ -144,7 +159,7 @@ def _assert_logits_close(got, want):
 # held by the layer itself (gpt-oss), `Dense` projections (SmolLM3), an
 # output `Dense` under our own private name (BLOOM).
 NAMINGS = ["llama", "mixtral", "qwen3", "gemma3", "gpt_oss", "smollm3",
-           "bloom", "gpt_neo_x"]
+           "bloom", "gpt_neo_x", "qwen3_5"]
 # keras-hub's GPT-NeoX rotates a decoding step's query at position 0, so
 # its `generate` is not its own full pass's greedy decoding; the swapped
 # model's is (`test_gpt_neo_x_steps_are_its_full_pass`).
@@ -172,11 +187,11 @@ def test_logits_generate_and_weights(family):
     want_logits = _logits(model, inputs)
     want = (_greedy(model, inputs) if family in STEPS_AT_ZERO
             else _generate(model, inputs))
-    block = model.backbone.transformer_layers[0]
+    block = _softmax_blocks(model)[0]
     query = _query_kernel(_attention(block))
     count = len(model.weights)
     assert keras_mha.adopt(model) is model
-    for each in model.backbone.transformer_layers:
+    for each in _softmax_blocks(model):
         assert isinstance(_attention(each), hub.HubAttention)
     layer = _attention(block)
     assert _query_kernel(layer) is query  # the same variables
@@ -346,6 +361,15 @@ def test_lora(family):
 
 
 class TestErrors:
+    def test_m_rope_positions(self):
+        """A swapped Qwen3.5 block refuses M-RoPE `position_ids` by name
+        (the layer rotates each token at its index)."""
+        model = keras_mha.adopt(_model("qwen3_5"))
+        layer = _attention(_softmax_blocks(model)[0])
+        x = np.zeros((2, LENGTH, SIZES["hidden_dim"]), "float32")
+        with pytest.raises(ValueError, match="M-RoPE `position_ids`"):
+            layer(x, position_ids=np.zeros((2, 4, LENGTH), "int32"))
+
     def test_not_keras_hub(self):
         with pytest.raises(ValueError, match="keras-hub `CausalLM`"):
             keras_mha.adopt(keras.Sequential([keras.layers.Dense(2)]))
