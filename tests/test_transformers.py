@@ -93,6 +93,8 @@ YARN = {
 # case id -> (config class, config arguments, sequence length)
 CASES = {
     "llama": ("LlamaConfig", dict(num_hidden_layers=1), LENGTH),
+    # A norm of the heads before `o_proj`: the layer's `output_norm`.
+    "bitnet": ("BitNetConfig", dict(num_hidden_layers=1), LENGTH),
     # transformers' default RoPE for Llama rotates every feature anyway.
     "llama_bias_partial_rotary_factor": (
         "LlamaConfig",
@@ -473,7 +475,7 @@ class TestGenerate:
 
     @pytest.mark.parametrize("case_id", ["llama_llama3",
                                          "gemma3_local_global",
-                                         "llama4_chunked_nope"])
+                                         "llama4_chunked_nope", "bitnet"])
     def test_tokens_and_logits_of_generate(self, case_id):
         """Each attention module's forward is replaced by a call of
         `from_torch(module)` with our cache (`init_cache`,
