@@ -65,9 +65,7 @@ def describe(
         # The variable's tensor: torch.compile breaks its graph on
         # `ops.cast` of a Keras variable.
         sinks=None if layer.sinks is None else layer.sinks.value,
-        alibi=logits_lib.alibi_slopes(settings.num_heads)
-        if settings.use_alibi
-        else None,
+        alibi=_alibi_slopes(settings),
         segment_ids=segment_ids,
         key_segment_ids=key_segment_ids,
         sharding=distribution_lib.context_plan(),
@@ -75,6 +73,18 @@ def describe(
         score_mod=None if score_mod is None else rules.as_score_function(
             score_mod),
     )
+
+
+def _alibi_slopes(settings):
+    """The spec's ALiBi slopes, or `None`: added before the scale
+    (`alibi_before_scale`, Falcon), the terms are scaled with the logits,
+    which is the slopes times the scale."""
+    if not settings.use_alibi:
+        return None
+    slopes = logits_lib.alibi_slopes(settings.num_heads)
+    if settings.alibi_before_scale:
+        slopes = tuple(m * settings.scale for m in slopes)
+    return slopes
 
 
 def attention_path(

@@ -133,9 +133,12 @@ class HubAttention(CachedMultiHeadAttention):
             super().load_own_variables(store)
 
     def __call__(self, *args, **kwargs):
-        for theirs, ours in _CALL_NAMES.items():  # SmolLM3's blocks
+        for theirs, ours in _CALL_NAMES.items():  # SmolLM3's, Falcon's
             if theirs in kwargs:
                 kwargs[ours] = kwargs.pop(theirs)
+        # Falcon's block hands its ALiBi terms over; the layer makes the
+        # same (`use_alibi`, `alibi_before_scale`).
+        kwargs.pop("alibi", None)
         mask = kwargs.get("attention_mask")
         if isinstance(mask, CausalMask):  # from a swapped block
             kwargs.update(attention_mask=None, causal=True,
@@ -209,9 +212,11 @@ def _no_position_ids(position_ids):
         )
 
 
-# The cache arguments as some blocks name them (SmolLM3's), and ours.
+# The call's arguments as some blocks name them (SmolLM3's cache,
+# Falcon's `inputs`), and ours.
 _CALL_NAMES = {"self_attention_cache": "cache",
-               "self_attention_cache_update_index": "cache_update_index"}
+               "self_attention_cache_update_index": "cache_update_index",
+               "inputs": "hidden_states"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +266,7 @@ def _keep_unmasked(old, new, update_mask, index):
 
 # The attribute under which a family's decoder block holds its attention.
 _BLOCK_ATTRIBUTES = ("_self_attention_layer", "self_attention_layer",
-                     "self_attn", "attention")
+                     "self_attn", "attention", "attention_layer")
 # The attribute under which a hybrid family's block holds linear attention
 # (Qwen3.5's `GatedDeltaNet`), which `adopt` leaves as it is.
 _LINEAR_ATTRIBUTES = ("_linear_attn",)

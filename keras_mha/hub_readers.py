@@ -409,6 +409,24 @@ def _qwen3_5(attention, name):
     return Reading(kwargs, hidden_size, sublayers)
 
 
+def _falcon(attention, name):
+    """Falcon: biased projections `(E, N, H)`, an output `Dense` `(N·H,
+    E)` of the merged heads, `1 / sqrt(H)`, and ALiBi with BLOOM's slopes,
+    which its block builds and the layer adds before the scale
+    (`alibi_before_scale`): the layer computes the same terms itself, so
+    the block's `alibi` tensor is not read."""
+    _no_dropout(attention.attention_dropout_rate, name)
+    sublayers = _sublayers(attention, **PROJECTIONS)
+    num_heads = int(attention.num_heads)
+    theirs, dense = sublayers["output"]
+    sublayers["output"] = (theirs, HeadsOfDense(dense, num_heads, merge=True))
+    kwargs = dict(num_heads=num_heads, key_dim=int(attention.head_dim),
+                  use_bias=True, scale=float(attention.inv_norm_factor),
+                  use_alibi=True, alibi_before_scale=True)
+    hidden_size = int(sublayers["query"][1].kernel.shape[0])
+    return Reading(kwargs, hidden_size, sublayers)
+
+
 READERS = {
     "LlamaAttention": _llama,
     "CachedMistralAttention": _llama,
@@ -425,4 +443,5 @@ READERS = {
     "CachedGemma3Attention": _gemma,
     "GPTNeoXAttention": _gpt_neo_x,
     "Qwen3_5Attention": _qwen3_5,
+    "FalconAttention": _falcon,
 }

@@ -29,20 +29,18 @@ _read_only = properties.read_only
 
 # The constructor's settings, fields of `layer.settings`: the config's
 # entries, in its order, and read-only properties as in Keras but for
-# `use_gate` and `output_shape` (`Functional.summary()` reads a layer's
-# `output_shape`).
+# `use_gate` and `output_shape` (`Functional.summary()` reads it).
 _SETTINGS = (
     "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "use_gate",
     "output_shape", "attention_axes", "sliding_window", "flash_attention",
     "num_key_value_heads", "attention_chunk_size", "use_sinks", "use_alibi",
     "qk_norm", "qk_norm_scope", "qk_norm_epsilon", "query_temperature",
     "qk_norm_after_rope", "value_norm", "qkv_clip", "gate_activation",
-    "input_norm_scope",
+    "input_norm_scope", "alibi_before_scale",
 )
 # Keras's private names for its layers' settings, read-only here, for code
 # written against Keras's (Keras's own tests read `_flash_attention` and
-# `_sliding_window`), and two of ours that the class's own family reads
-# (`CachedMultiHeadAttention`, `KerasPrivateNames`).
+# `_sliding_window`), and two that `CachedMultiHeadAttention` reads.
 _PRIVATE_NAMES = (
     "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "use_gate",
     "output_shape", "attention_axes", "sliding_window", "flash_attention",
@@ -131,7 +129,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             denominator and is then dropped (gpt-oss).
         use_alibi: adds ALiBi's `-m_h·|p - j|` to the logits, slopes
             `m_h = 2^(-8(h+1)/N)` (BLOOM's rule when `N` is not a power of
-            two).
+            two); with `alibi_before_scale`, before `scale` (Falcon).
         attention_chunk_size: `None` or `C`: key `j` is visible from
             position `p` only if `j // C == p // C` (Llama 4's chunked
             layers), with every other mask; a cache is then a rolling one
@@ -227,7 +225,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         qk_norm_scope="head", qk_norm_epsilon=1e-6, query_temperature=None,
         qk_norm_after_rope=False, value_norm=False, qkv_clip=None,
         gate_activation="sigmoid", input_norm=None, input_norm_scope="all",
-        output_norm=None, **kwargs,
+        output_norm=None, alibi_before_scale=False, **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
         key_dim = checks.positive_int("key_dim", key_dim)
@@ -244,7 +242,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             "attn_logits_soft_cap", attn_logits_soft_cap, allow_none=True
         )
         use_sinks = checks.boolean("use_sinks", use_sinks)
-        use_alibi = checks.boolean("use_alibi", use_alibi)
+        use_alibi, alibi_before_scale = checks.alibi(use_alibi,
+                                                     alibi_before_scale)
         rotary_embedding = checks.rotary_embedding(rotary_embedding)
         head_features = checks.head_features(
             qk_norm, qk_norm_scope, qk_norm_epsilon, query_temperature,
@@ -279,6 +278,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             scale=spec_lib.default_scale(key_dim) if scale is None else scale,
             attn_logits_soft_cap=attn_logits_soft_cap, use_sinks=use_sinks,
             use_alibi=use_alibi, rotary_embedding=rotary_embedding,
+            alibi_before_scale=alibi_before_scale,
             input_norm=checks.norm_layer("input_norm", input_norm),
             input_norm_scope=checks.choice(
                 "input_norm_scope", input_norm_scope, ("all", "query")),

@@ -42,6 +42,8 @@ class AttentionSettings:
         flash_attention: `None`, `True` or `False` (latent: `None`).
         use_alibi, use_sinks: the ALiBi slopes, the sink logits (latent:
             `False`).
+        alibi_before_scale: whether ALiBi's terms are added before the
+            logit scale, so scaled with the logits (Falcon).
     """
 
     num_heads: int
@@ -63,6 +65,7 @@ class AttentionSettings:
     flash_attention: Any
     use_alibi: bool
     use_sinks: bool
+    alibi_before_scale: bool = False
 
     @property
     def rolling_slots(self):

@@ -232,8 +232,9 @@ def reference_attention(
         scores = soft_cap * np.tanh(scores / soft_cap)
     if attention_bias is not None:
         scores = scores + np.asarray(attention_bias, "float64")
-    if alibi:
-        scores = scores - alibi_slopes(num_heads)[:, None, None] * np.abs(
+    if alibi:  # `True`, or a factor of the slopes (ALiBi before the scale)
+        scores = scores - float(alibi) * alibi_slopes(num_heads)[
+            :, None, None] * np.abs(
             pos - col
         )
     probs = np.zeros_like(scores)

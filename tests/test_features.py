@@ -46,6 +46,9 @@ LAYER_FEATURES = {
     "soft_cap": {"attn_logits_soft_cap": 1.5},
     "sinks": {"use_sinks": True},
     "alibi": {"use_alibi": True},
+    # Falcon: ALiBi added before the scale, so scaled with the logits.
+    "alibi_before_scale": {"use_alibi": True, "alibi_before_scale": True,
+                           "scale": 0.5},
     "all": {
         "rotary_embedding": lambda: keras_mha.RotaryEmbedding(100),
         "scale": 0.5,
@@ -487,13 +490,16 @@ class TestErrors:
             ({"sliding_window": (-1, 2)}, r"sliding_window=\(-1, 2\)"),
             ({"sliding_window": (1, 2, 3)}, r"sliding_window=\(1, 2, 3\)"),
             ({"sliding_window": 0}, "sliding_window=0"),
+            ({"alibi_before_scale": True},
+             "alibi_before_scale=True, use_alibi=False"),
         ],
     )
     def test_constructor_values(self, kwargs, match):
         with pytest.raises(ValueError, match=match):
             keras_mha.MultiHeadAttention(num_heads=2, key_dim=4, **kwargs)
 
-    @pytest.mark.parametrize("name", ["use_sinks", "use_alibi"])
+    @pytest.mark.parametrize("name", ["use_sinks", "use_alibi",
+                                      "alibi_before_scale"])
     @pytest.mark.parametrize("value", [1, "yes", None])
     def test_flags_must_be_bool(self, name, value):
         with pytest.raises(TypeError, match=f"`{name}`.*Received: {name}="):

@@ -52,6 +52,8 @@ FAMILIES = {
                      rope_theta=10000.0, partial_rotary_factor=1.0)),
     # BLOOM: ALiBi, an output `Dense` of the merged heads.
     "bloom": ("BloomBackbone", "BloomCausalLM", {}),
+    # Falcon: ALiBi before the scale, public names, an output `Dense`.
+    "falcon": ("FalconBackbone", "FalconCausalLM", {}),
     # gpt-oss: sinks, biases, a window of `W + 1` keys, YaRN.
     "gpt_oss": ("GptOssBackbone", "GptOssCausalLM",
                 dict(head_dim=8, num_experts=2, top_k=2, sliding_window=3)),
@@ -159,7 +161,7 @@ def _assert_logits_close(got, want):
 # held by the layer itself (gpt-oss), `Dense` projections (SmolLM3), an
 # output `Dense` under our own private name (BLOOM).
 NAMINGS = ["llama", "mixtral", "qwen3", "gemma3", "gpt_oss", "smollm3",
-           "bloom", "gpt_neo_x", "qwen3_5"]
+           "bloom", "gpt_neo_x", "qwen3_5", "falcon"]
 # keras-hub's GPT-NeoX rotates a decoding step's query at position 0, so
 # its `generate` is not its own full pass's greedy decoding; the swapped
 # model's is (`test_gpt_neo_x_steps_are_its_full_pass`).

@@ -30,6 +30,7 @@ OURS_ONLY = (
     "value_norm",
     "qkv_clip",
     "gate_activation",
+    "alibi_before_scale",
     "input_norm",
     "input_norm_scope",
     "output_norm",
@@ -102,7 +103,8 @@ def reference(layer, query, value, key=None, **kwargs):
     kwargs.setdefault("sliding_window", layer.sliding_window)
     kwargs.setdefault("scale", layer.scale)
     kwargs.setdefault("soft_cap", layer.attn_logits_soft_cap)
-    kwargs.setdefault("alibi", layer.use_alibi)
+    kwargs.setdefault("alibi", layer.use_alibi and (
+        layer.scale if layer.alibi_before_scale else 1.0))
     if layer.sinks is not None:
         kwargs.setdefault("sinks", to_numpy(layer.sinks).astype("float64"))
     if layer.qk_norm is not None:

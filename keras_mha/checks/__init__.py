@@ -17,6 +17,7 @@ from keras_mha.checks.arguments import boolean
 from keras_mha.checks.arguments import sliding_window
 from keras_mha.checks.arguments import rotary_embedding
 from keras_mha.checks.arguments import norm_layer
+from keras_mha.checks.arguments import alibi
 from keras_mha.checks.arguments import input_norm_features
 from keras_mha.checks.arguments import dropout_rate
 from keras_mha.checks.arguments import choice
@@ -47,6 +48,7 @@ from keras_mha.checks.paged import pool_shapes
 from keras_mha.checks.cache import cache_tensor
 
 __all__ = [
+    "alibi",
     "argument_kinds",
     "attention_axes",
     "attention_bias",

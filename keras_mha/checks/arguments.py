@@ -98,6 +98,20 @@ def rotary_embedding(value):
     return value
 
 
+def alibi(use_alibi, alibi_before_scale):
+    """`(use_alibi, alibi_before_scale)`, booleans; the second only with
+    the first."""
+    use_alibi = boolean("use_alibi", use_alibi)
+    before = boolean("alibi_before_scale", alibi_before_scale)
+    if before and not use_alibi:
+        raise ValueError(
+            "`alibi_before_scale=True` says where ALiBi's terms are added, "
+            "and needs `use_alibi=True`. Received: alibi_before_scale=True, "
+            "use_alibi=False"
+        )
+    return use_alibi, before
+
+
 def norm_layer(name, value):
     """`None`, or a Keras layer that keeps its input's shape (`input_norm`,
     `output_norm`)."""
