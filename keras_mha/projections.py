@@ -231,7 +231,9 @@ def normalized_inputs(layer, query, value, key):
         return normalized, value, key
     if value is query and key is query:  # self-attention: one norm
         return normalized, normalized, normalized
-    return normalized, norm(value), norm(key)
+    normalized_value = norm(value)
+    return (normalized, normalized_value,
+            normalized_value if key is value else norm(key))
 
 
 def normalized_heads(layer, context):

@@ -96,6 +96,17 @@ class TestAgainstReference:
         assert_close(square(x, x), only_query, atol=2e-5, rtol=2e-5)
         assert np.abs(only_query - to_numpy(every(x, x))).max() > 1e-2
 
+    def test_all_scope_normalizes_a_memory(self, rng):
+        """`input_norm_scope="all"` normalizes a cross-attention's value
+        and key too, each its own."""
+        x = _x(rng)
+        value, key = (rng.normal(size=(B, T, E)).astype("float32")
+                      for _ in range(2))
+        layer = _layer(x, "input_layer_norm", value)
+        for args in ((value,), (value, key)):
+            expected, _ = reference(layer, x, *args)
+            assert_close(layer(x, *args), expected, atol=2e-5, rtol=2e-5)
+
     def test_norms_are_what_they_say(self, rng):
         """The output norm sees each token's `N·V` features: with scales of
         one, the heads given to the output projection have unit mean
