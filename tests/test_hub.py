@@ -230,6 +230,24 @@ def test_gpt_neo_x_steps_are_its_full_pass():
     assert theirs > 1e-2 and ours < 1e-5, errors
 
 
+def test_a_fused_projection_runs_once_a_call(monkeypatch):
+    """GPT-NeoX's query, key and value views project a call's input with
+    keras-hub's fused `EinsumDense` once, not once a view."""
+    model, inputs = keras_mha.adopt(_model("gpt_neo_x")), _inputs()
+    dense = _attention(_softmax_blocks(model)[0]).query_dense.dense
+    calls = []
+    call = type(dense).call
+
+    def spy(self, *args, **kwargs):
+        if self is dense:
+            calls.append(1)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(dense), "call", spy)
+    model(inputs)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "gpt_oss"])
 def test_masks_are_structure(family, monkeypatch):
     """Without a cache a swapped block builds no dense mask: the layer is
