@@ -336,6 +336,24 @@ def test_int8():
     _assert_logits_close(_logits(model, inputs), _logits(twin, inputs))
 
 
+@pytest.mark.parametrize("family", ["gpt_neo_x", "falcon"])
+def test_model_quantize_int8(family):
+    """`Model.quantize("int8")` of a swapped model reaches the projections
+    the layer took over, through its views (GPT-NeoX's fused one, Falcon's
+    output `Dense`), and gives what keras-hub's quantized model gives,
+    which is not the float model's."""
+    model, twin, inputs = _model(family), _model(family), _inputs()
+    floats = _logits(twin, inputs)
+    keras_mha.adopt(model)
+    for each in (model, twin):
+        each.quantize("int8")
+    want = _logits(twin, inputs)
+    _assert_logits_close(_logits(model, inputs), want)
+    assert np.abs(want - floats).max() > 1e-3 * np.abs(floats).max()
+    query = _attention(_softmax_blocks(model)[0]).sublayer("query")
+    assert getattr(query, "dense", query).quantization_mode == "int8"
+
+
 @pytest.mark.training
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_a_training_step(family):
