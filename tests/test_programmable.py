@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND
+from util import attention_spec
 from util import compiled
 from util import layer_gradients
 from util import make_layer
@@ -16,7 +17,9 @@ from util import to_numpy
 
 import keras_mha
 from keras_mha.attention import dispatch
+from keras_mha.attention import explicit
 from keras_mha.attention import rules
+from keras_mha.attention import sparse
 from keras_mha.attention import tuning
 
 # 75 = 4 blocks of 16 and a short one: whole, partial and skipped blocks,
@@ -147,7 +150,10 @@ class TestMasks:
             want, _ = reference(layer, x, x, use_causal_mask=True,
                                 key_mask=key_mask)
             np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
-        assert len(mask._sparse_functions) == 1
+        # The portable route keeps one function for the mask's signature;
+        # torch's native route builds none (it calls the fused kernel).
+        kept = getattr(mask, "_sparse_functions", {})
+        assert len(kept) == (0 if sparse.native_available() else 1)
 
     def test_the_rule_takes_sparse_for_long_sequences_only(self):
         layer = _layer(np.zeros((1, 4, 16), "float32"))
@@ -165,6 +171,55 @@ class TestMasks:
         scored = spec.replace(score_mod=keras_mha.ScoreFunction(
             lambda s, b, h, q, k: s))
         assert dispatch.choose_path(scored, shapes) == dispatch.EXPLICIT
+
+
+@pytest.mark.skipif(not sparse.native_available(),
+                    reason="only torch has a native block-sparse route")
+class TestNativeRoute:
+    """torch's fused kernel a group of query blocks at a time against the
+    portable pairs of blocks and the explicit path, forward and backward;
+    the layer's calls above take it by default on torch, against the
+    float64 reference."""
+
+    @pytest.mark.parametrize("name", CASES + ["everything"])
+    def test_native_equals_portable_and_explicit(self, rng, name):
+        import torch
+
+        # "everything": whole blocks only, the last one with padding.
+        mask = keras_mha.MaskFunction(lambda b, h, q, k: k >= 0) \
+            if name == "everything" else rules.as_mask(_case(name)[0])
+        heads = [torch.tensor(rng.normal(size=(2, LENGTH, n, 8)).astype(
+            "float32"), requires_grad=True) for n in (4, 2, 2)]
+        spec = attention_spec(8, mask_mod=mask)
+        cotangent = torch.tensor(rng.normal(size=(2, LENGTH, 4, 8)).astype(
+            "float32"))
+        results = {}
+        for implementation in sparse.IMPLEMENTATIONS + ("explicit",):
+            if implementation == "explicit":
+                out = explicit.explicit_attention(*heads, spec)[0]
+            else:
+                out = sparse.sparse_attention(
+                    *heads, spec, implementation=implementation)
+            grads = torch.autograd.grad((out * cotangent).sum(), heads)
+            results[implementation] = [to_numpy(x) for x in (out, *grads)]
+        for want in (results[sparse.PORTABLE], results["explicit"]):
+            for got, expected in zip(results[sparse.NATIVE], want):
+                assert np.isfinite(got).all()
+                np.testing.assert_allclose(got, expected, atol=3e-5,
+                                           rtol=3e-5)
+
+    def test_what_the_kernel_cannot_take_is_named(self, rng):
+        heads = [rng.normal(size=(1, LENGTH, 2, 8)).astype("float32")
+                 for _ in range(3)]
+        capped = attention_spec(8, mask_mod=keras_mha.Causal(), soft_cap=4.0)
+        with pytest.raises(ValueError, match="takes no soft-cap"):
+            sparse.sparse_attention(*heads, capped, implementation="native")
+        with pytest.raises(ValueError, match="Received: implementation='x'"):
+            sparse.sparse_attention(*heads, capped, implementation="x")
+        # Without a choice, the portable pairs take what the kernel cannot.
+        got = to_numpy(sparse.sparse_attention(*heads, capped))
+        want = to_numpy(explicit.explicit_attention(*heads, capped)[0])
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
 class TestBlockMaps:

@@ -172,6 +172,14 @@ def has_native_band(backend=None):
     return backend_name(backend) == TORCH
 
 
+def has_native_block_sparse(backend=None):
+    """Whether the block-sparse path's kept blocks can go to a fused kernel
+    a group of query blocks at a time (`sparse_kernels.block_sparse`):
+    torch's `scaled_dot_product_attention`, where the portable path's
+    pairs of blocks run op by op."""
+    return backend_name(backend) == TORCH
+
+
 def has_native_decode_step(backend=None):
     """Whether an eager decode step has a native route: torch's fused
     kernel, TensorFlow's and JAX's compiled loop; not NumPy."""

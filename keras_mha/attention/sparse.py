@@ -11,6 +11,11 @@ gradient recomputes the weights the same way, key block `j` visiting the
 query blocks that keep it. So the work and the memory follow the kept
 blocks: O(d·T·S) time for a mask of density `d`, O(B·N·T) memory.
 
+On torch, whose eager loops pay for each pair of blocks, the native
+route (`sparse_kernels.py`) hands the kept blocks to torch's fused kernel a
+group of query blocks at a time, for a mask whose block map is known on the
+host and a spec without soft-cap, ALiBi or sinks.
+
 The lists of blocks to visit are tensors, and every loop reads its trip
 count from them: a mask known on the host (no data) gives constants,
 computed once; a mask that reads the call's data (document ids, prefix
@@ -24,6 +29,7 @@ blocks without recompiling when only the data changes.
 
 import collections
 
+import numpy as np
 from keras import ops
 
 import keras_mha.attention.block_maps as block_maps
@@ -62,7 +68,20 @@ def call_mask(spec):
     return result
 
 
-def sparse_attention(query, key, value, spec, block_size=None):
+PORTABLE = "portable"
+NATIVE = "native"
+IMPLEMENTATIONS = (PORTABLE, NATIVE)
+
+
+def native_available(backend=None):
+    """Whether `implementation="native"` exists for the backend: torch's
+    fused kernel a group of query blocks at a time
+    (`sparse_kernels.block_sparse`)."""
+    return capabilities.has_native_block_sparse(backend)
+
+
+def sparse_attention(query, key, value, spec, block_size=None,
+                     implementation=None):
     """Attention as `spec` asks, visiting only the blocks its mask keeps.
 
     The numbers are those of `explicit.explicit_attention`: a row with no
@@ -76,6 +95,10 @@ def sparse_attention(query, key, value, spec, block_size=None):
             (`dispatch.can_serve`); its scale, soft-cap, ALiBi and sinks
             apply block by block.
         block_size: `b`; the tuning table's `sparse_block` if `None`.
+        implementation: `"portable"` (`keras.ops`, every backend, a pair
+            of blocks at a time), `"native"` (torch's fused kernel, for a
+            spec without soft-cap, ALiBi or sinks and a block map known on
+            the host), or `None` for native where it serves.
 
     Returns:
         `(B, T, N, V)` in the query's dtype.
@@ -97,6 +120,19 @@ def sparse_attention(query, key, value, spec, block_size=None):
         alibi=None if spec.alibi is None else tuple(spec.alibi),
         use_sinks=spec.sinks is not None,
     )
+    if _native(spec, implementation):
+        some, every = block_maps.bounds(mask, grid)
+        if isinstance(some, np.ndarray) and isinstance(every, np.ndarray):
+            import keras_mha.attention.sparse_kernels as sparse_kernels
+
+            out = sparse_kernels.block_sparse(query, key, value, mask, some,
+                                              every, block, spec.scale)
+            return ops.cast(out, out_dtype)
+        if implementation == NATIVE:
+            raise ValueError(
+                "`implementation='native'` needs a block map known on the "
+                "host; this mask's reads traced data. Received: "
+                f"mask_mod={spec.mask_mod!r}")
     lists = _visits(mask, grid)
     q = ops.multiply(query, ops.cast(spec.scale, query.dtype))
     q = _query_rows(blocked.pad(q, grid.num_query_blocks * block - t_len),
@@ -114,6 +150,32 @@ def sparse_attention(query, key, value, spec, block_size=None):
     out = ops.transpose(out, (1, 0, 3, 2, 4, 5))  # (B, n_q, b, K, G, V)
     out = ops.reshape(out, (batch, n_q * block, num_heads, value.shape[3]))
     return ops.cast(out[:, :t_len], out_dtype)  # (B, T, N, V)
+
+
+def _native(spec, implementation):
+    """Whether the call goes to the backend's fused kernel a group of query
+    blocks at a time (`sparse_kernels.block_sparse`), which takes no
+    soft-cap, ALiBi or sinks; an explicit choice it cannot serve is a named
+    `ValueError`."""
+    if implementation not in (None, *IMPLEMENTATIONS):
+        raise ValueError(
+            f"Argument `implementation` must be one of {IMPLEMENTATIONS} or "
+            f"`None`. Received: implementation={implementation!r}")
+    serves = spec.soft_cap is None and spec.alibi is None \
+        and spec.sinks is None
+    if implementation == NATIVE:
+        if not native_available():
+            raise ValueError(
+                "`implementation='native'` exists only on the torch "
+                "backend. Received: implementation='native'")
+        if not serves:
+            raise ValueError(
+                "`implementation='native'` takes no soft-cap, ALiBi or "
+                f"sinks. Received: soft_cap={spec.soft_cap}, "
+                f"alibi={spec.alibi is not None}, "
+                f"sinks={spec.sinks is not None}")
+        return True
+    return implementation is None and native_available() and serves
 
 
 def _query_rows(q, geometry):
