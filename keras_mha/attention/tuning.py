@@ -152,10 +152,10 @@ TABLE = {
         ),
         (TORCH, ANY): Entry(
             4096,
-            "eager loops pay per block: at T = 4096 16 documents and a "
-            "window of 512 take 0.33x and 0.68x of the dense mask on "
-            "torch's kernel (prefix-LM, which keeps 0.63, 1.66x); at 2048 "
-            "the dense mask wins but for the documents",
+            "at T = 4096 16 documents and a window of 512 take 0.10x and "
+            "0.25x of the dense mask on torch's kernel, prefix-LM (which "
+            "keeps 0.63) 1.01x; at 2048 prefix-LM pays 1.22x, the others "
+            "0.20x and 0.48x",
             _PROGRAMMABLE.format(TORCH, "2048,4096"),
         ),
         (ANY, ANY): Entry(
