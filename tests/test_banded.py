@@ -283,6 +283,34 @@ class TestGradients:
             np.testing.assert_array_equal(got[1, 900:], 0.0, err_msg=name)
 
 
+    def test_recomputed_chunks_give_the_same_gradients(self, rng,
+                                                       monkeypatch):
+        """Past `banded_recompute_bytes` each chunk's weights are
+        recomputed in the backward (`jax.checkpoint` on JAX, where it is
+        measured; kept elsewhere): the same gradients as the dense path."""
+        monkeypatch.setitem(tuning.OVERRIDES, "banded_recompute_bytes", 0)
+        length, window = 1037, 17
+        q, k, v = (_heads(rng, length, n) for n in (4, 2, 2))
+        cotangent = _heads(rng, length, 4)
+        args = (window, True, None, None, 0)
+
+        def banded_fn(q, k, v):
+            return _banded(q, k, v, *args, implementation=banded.PORTABLE)
+
+        grads = _gradients(banded_fn, q, k, v, cotangent)
+        want = _gradients(lambda q, k, v: _dense(q, k, v, *args), q, k, v,
+                          cotangent)
+        for name, got, expected in zip("qkv", grads, want):
+            np.testing.assert_allclose(to_numpy(got), to_numpy(expected),
+                                       err_msg=name, **TOLERANCE)
+        if BACKEND == "jax":
+            import jax
+
+            program = str(jax.make_jaxpr(jax.grad(
+                lambda q: keras.ops.sum(banded_fn(q, k, v))))(q))
+            assert "checkpoint" in program or "remat" in program
+
+
 # ----------------------------------------------------------------- compiled
 
 

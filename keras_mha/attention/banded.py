@@ -36,6 +36,7 @@ import collections
 import functools
 
 import keras
+import numpy as np
 from keras import ops
 
 import keras_mha.attention.capabilities as capabilities
@@ -296,8 +297,9 @@ def _portable_core(query, key, value, mask, spec, band, keep=None):
     faulting in fresh pages for the whole band. On CPU this is faster
     than one pass over all blocks, on JAX and TensorFlow, forward and
     backward (the tuning table's `banded_chunk_bytes` names the benchmark
-    that sizes the chunks). Autodiff still keeps every chunk's weights for the
-    backward pass, O(T·w) in all.
+    that sizes the chunks). Autodiff keeps every chunk's weights for the
+    backward pass, O(T·w) in all, unless they would take more than
+    `banded_recompute_bytes`: then each chunk's are recomputed there.
 
     Args:
         query: `(B, n·b, N, H)`.
@@ -351,9 +353,14 @@ def _portable_core(query, key, value, mask, spec, band, keep=None):
         _alibi_term(band, spec.alibi, num_kv, groups, q.dtype),
         _sinks(spec.sinks, num_kv, groups, b, q.dtype),
     )
+    # The weights autodiff would keep for the backward, all chunks: past
+    # the budget each chunk's are recomputed there instead.
+    weights_bytes = (query.shape[0] or 1) * num_heads * band.padded_len \
+        * band.span * np.dtype(keras.backend.standardize_dtype(q.dtype)).itemsize
     attend = _chunk_attention(
         band, spec.dropout if keep is not None else 0.0, spec.soft_cap,
         spec.alibi is not None, spec.sinks is not None,
+        weights_bytes > tuning.value("banded_recompute_bytes"),
     )
     if c == 1:
         _, out = attend(constants, tuple(x[0] for x in inputs))
@@ -393,9 +400,12 @@ def _sinks(sinks, num_kv, groups, block, dtype):
 
 
 @functools.lru_cache(maxsize=64)
-def _chunk_attention(band, rate, soft_cap, use_alibi, use_sinks):
+def _chunk_attention(band, rate, soft_cap, use_alibi, use_sinks,
+                     recompute=False):
     """The attention of one chunk, one function object per geometry,
-    dropout rate and choice of logit features.
+    dropout rate, choice of logit features and `recompute` (its weights
+    recomputed in the backward pass, `capabilities.recomputed`, rather
+    than kept: O(chunk) memory for them instead of O(T·w)).
 
     `jax.lax.scan` caches its trace on the function object: a fresh closure
     per call would retrace and recompile the loop on every eager call.
@@ -425,7 +435,7 @@ def _chunk_attention(band, rate, soft_cap, use_alibi, use_sinks):
         out = ops.divide(out, total)
         return carry, out  # (B, K, M, b·G, V)
 
-    return attend
+    return capabilities.recomputed(attend) if recompute else attend
 
 
 def _chunk_windows(x, band):

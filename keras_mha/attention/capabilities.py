@@ -166,6 +166,18 @@ def fused_takes_window(backend=None):
 # --------------------------------------------------------- native kernels
 
 
+def recomputed(function, backend=None):
+    """`function` with its intermediates recomputed in the backward pass
+    instead of kept from the forward: `jax.checkpoint` on JAX, where it is
+    measured (the banded path's chunks, `banded_recompute_bytes`);
+    `function` itself elsewhere."""
+    if backend_name(backend) != JAX:
+        return function
+    import jax
+
+    return jax.checkpoint(function)
+
+
 def has_native_band(backend=None):
     """Whether the band's blocks can go to a fused kernel
     (`kernels.banded_core`): torch's `scaled_dot_product_attention`."""
