@@ -36,7 +36,6 @@ import collections
 import functools
 
 import keras
-import numpy as np
 from keras import ops
 
 import keras_mha.attention.capabilities as capabilities
@@ -355,8 +354,7 @@ def _portable_core(query, key, value, mask, spec, band, keep=None):
     )
     # The weights autodiff would keep for the backward, all chunks: past
     # the budget each chunk's are recomputed there instead.
-    weights_bytes = (query.shape[0] or 1) * num_heads * band.padded_len \
-        * band.span * np.dtype(keras.backend.standardize_dtype(q.dtype)).itemsize
+    weights_bytes = _score_bytes(query) * band.padded_len * band.span
     attend = _chunk_attention(
         band, spec.dropout if keep is not None else 0.0, spec.soft_cap,
         spec.alibi is not None, spec.sinks is not None,

@@ -103,6 +103,7 @@ def sparse_attention(query, key, value, spec, block_size=None,
     Returns:
         `(B, T, N, V)` in the query's dtype.
     """
+    native = _native(spec, implementation)  # a bad choice, named first
     t_len, s_len = query.shape[1], key.shape[1]
     out_dtype = query.dtype
     query, key, value = explicit.upcast(query, key, value)
@@ -113,14 +114,7 @@ def sparse_attention(query, key, value, spec, block_size=None,
     mask = call_mask(spec)  # never `None`: the spec has a `mask_mod`
     grid = block_maps.Grid(t_len, s_len, block, query.shape[0] or 1,
                            num_heads)
-    geometry = _Geometry(
-        block=block, query_blocks=grid.num_query_blocks,
-        key_blocks=grid.num_key_blocks, key_length=s_len, groups=groups,
-        soft_cap=spec.soft_cap,
-        alibi=None if spec.alibi is None else tuple(spec.alibi),
-        use_sinks=spec.sinks is not None,
-    )
-    if _native(spec, implementation):
+    if native:
         some, every = block_maps.bounds(mask, grid)
         if isinstance(some, np.ndarray) and isinstance(every, np.ndarray):
             import keras_mha.attention.sparse_kernels as sparse_kernels
@@ -131,8 +125,15 @@ def sparse_attention(query, key, value, spec, block_size=None,
         if implementation == NATIVE:
             raise ValueError(
                 "`implementation='native'` needs a block map known on the "
-                "host; this mask's reads traced data. Received: "
+                "host; this mask reads traced data. Received: "
                 f"mask_mod={spec.mask_mod!r}")
+    geometry = _Geometry(
+        block=block, query_blocks=grid.num_query_blocks,
+        key_blocks=grid.num_key_blocks, key_length=s_len, groups=groups,
+        soft_cap=spec.soft_cap,
+        alibi=None if spec.alibi is None else tuple(spec.alibi),
+        use_sinks=spec.sinks is not None,
+    )
     lists = _visits(mask, grid)
     q = ops.multiply(query, ops.cast(spec.scale, query.dtype))
     q = _query_rows(blocked.pad(q, grid.num_query_blocks * block - t_len),

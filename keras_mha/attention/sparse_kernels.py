@@ -112,9 +112,12 @@ def _group(q, k, v, mask, some, every, rows, block, scale, key_length):
         for x in (k, v))
     keep = _keep(mask, rows, cols, valid, whole, block, key_length, batch,
                  num_heads, q.device)
-    attend = lambda attn_mask: torch.nn.functional.scaled_dot_product_attention(
-        q_g, k_g, v_g, attn_mask=attn_mask, scale=scale,
-        enable_gqa=num_heads != num_kv)
+
+    def attend(attn_mask):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q_g, k_g, v_g, attn_mask=attn_mask, scale=scale,
+            enable_gqa=num_heads != num_kv)
+
     if keep is None:
         out = attend(None)
     else:
@@ -141,7 +144,8 @@ def _keep(mask, rows, cols, valid, whole, block, key_length, batch,
     if partial.any():
         r_idx, c_idx = np.nonzero(partial)
         offsets = np.arange(block)
-        query_at = (rows[r_idx][:, None] * block + offsets).reshape(1, 1, -1, 1)
+        query_at = (rows[r_idx][:, None] * block + offsets).reshape(
+            1, 1, -1, 1)
         key_at = np.repeat(cols[r_idx, c_idx][:, None] * block + offsets,
                            block, axis=0)[None, None]  # (1, 1, P·b, b)
         index = [torch.as_tensor(x, dtype=torch.int32, device=device) for x
@@ -153,9 +157,9 @@ def _keep(mask, rows, cols, valid, whole, block, key_length, batch,
         found = found.reshape(*found.shape[:2], len(r_idx), block, block)
         size_b, size_n = found.shape[:2]
         keep = keep.expand(g, size_b, size_n, width, block, block).clone()
-        keep[torch.as_tensor(r_idx, device=device), :, :,
-             torch.as_tensor(c_idx, device=device)] = found.permute(2, 0, 1, 3,
-                                                                    4)
+        at_rows, at_cols = (torch.as_tensor(x, device=device)
+                            for x in (r_idx, c_idx))
+        keep[at_rows, :, :, at_cols] = found.permute(2, 0, 1, 3, 4)
     size_n = keep.shape[2]
     keep = keep.expand(g, batch, size_n, width, block, block)
     keep = keep.permute(0, 1, 2, 4, 3, 5)  # (g, B, N|1, b, m, b)
