@@ -100,9 +100,9 @@ class AxesLayout:
         """A user `attention_mask` (checked) -> `(B'|1, N|1, T, S)` boolean."""
         if mask is None:
             return None
-        mask = ops.cast(ops.convert_to_tensor(mask), "bool")
         if self.identity:
-            return _rank4_mask(mask)
+            return rank4_mask(mask)
+        mask = ops.cast(ops.convert_to_tensor(mask), "bool")
         # Keras's multi-axis layout: (B, <batch axes>, <T axes>, <S axes>).
         q_axes = self._sizes(query, (0, *self.batch_axes, *self.attention_axes))
         s_axes = self._sizes(key, self.attention_axes)
@@ -130,8 +130,10 @@ class AxesLayout:
         return (*lead, num_heads, *t_axes, *s_axes)
 
 
-def _rank4_mask(mask):
-    """A checked `attention_mask` of rank 2-4 -> `(B|1, N|1, T, S)`."""
+def rank4_mask(mask):
+    """A checked `attention_mask` of rank 2-4, any dtype (nonzero = may
+    attend) -> boolean `(B|1, N|1, T, S)`."""
+    mask = ops.cast(ops.convert_to_tensor(mask), "bool")
     rank = len(mask.shape)
     if rank == 2:
         return mask[None, None]  # (1, 1, T, S)

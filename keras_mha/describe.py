@@ -132,9 +132,11 @@ def attention_path(
 
 
 def extra_result_specs(layer, query, value, key, *,
-                       return_attention_scores=False, cache=None):
+                       return_attention_scores=False, cache=None,
+                       return_key_value=False):
     """The `KerasTensor`s a call returns after its output: the scores
-    (keys: a cache's old slots, then the new tokens) and the new cache."""
+    (keys: a cache's old slots, then the new tokens), the new cache, and
+    the keys and values of the call's tokens."""
     specs = []
     if return_attention_scores:
         layout = checks.input_shapes(
@@ -161,6 +163,12 @@ def extra_result_specs(layer, query, value, key, *,
         else:
             specs.append(tuple(keras.KerasTensor(part.shape, dtype=part.dtype)
                                for part in cache))
+    if return_key_value:
+        settings = layer.settings
+        specs.append(tuple(
+            keras.KerasTensor(tuple(value.shape[:2]) + (
+                settings.num_key_value_heads, size), dtype=layer.compute_dtype)
+            for size in (settings.key_dim, settings.value_dim)))
     return specs
 
 

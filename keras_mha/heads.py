@@ -136,6 +136,9 @@ def build_norms(settings, adopted, dtype):
     norms = []
     for name, heads in (("query", settings.num_heads),
                         ("key", settings.num_key_value_heads)):
+        if name == "key" and settings.shared_key_value:
+            norms.append(None)  # the keys come normalized (`sharing.py`)
+            continue
         norm = adopted.pop(f"{name}_norm", None) or HeadNorm(
             settings.qk_norm_scope, settings.qk_norm_epsilon,
             center=settings.qk_norm == "layer", name=f"{name}_norm",
@@ -163,6 +166,21 @@ def keys(layer, k, offset, tokens=None, positions=None):
     (or `positions`): padding zeroed, normalized, rotated."""
     return _rotated_and_normalized(layer, "key", _clipped(layer, k, tokens),
                                    offset, positions)
+
+
+def keys_and_values(layer, key, value, offset, tokens=None, positions=None,
+                    shared=None):
+    """The keys `(B', S, K, H)` and values `(B', S, K, V)` a call attends
+    over: the layer's projections of `key` and `value` (`keys`, `values`),
+    or those of an earlier layer, `shared` (a pair, or a cache's first
+    two), as they are (`sharing.py`)."""
+    if shared is not None:
+        return tuple(shared[:2])
+    layout = layer.input_layout
+    k = layout.to_sequence(layer.key_dense(key))  # (B', S, K, H)
+    v = layout.to_sequence(layer.value_dense(value))  # (B', S, K, V)
+    return (keys(layer, k, offset, tokens, positions),
+            values(layer, v, tokens))
 
 
 def values(layer, v, tokens=None):

@@ -66,13 +66,17 @@ class Norm:
         return [scale] + ([] if self.bias is None else [self.bias])
 
 
-def query_key_norms(children, used, name):
-    """`(query_norm, key_norm)`: the module's `Norm`s, or `None`s."""
+def query_key_norms(children, used, name, shared=False):
+    """`(query_norm, key_norm)`: the module's `Norm`s, or `None`s; the
+    query's only where `shared` (its keys come normalized)."""
     if "qk_norm" in children:  # Llama 4: one weightless norm for both
         used.add("qk_norm")
         norm = probe(children["qk_norm"], name, "qk_norm")
         return norm, norm
     for query_name, key_name in QUERY_KEY_NORMS:
+        if query_name in children and shared:
+            used.add(query_name)
+            return probe(children[query_name], name, query_name), None
         if query_name in children and key_name in children:
             used.update((query_name, key_name))
             return (probe(children[query_name], name, query_name),

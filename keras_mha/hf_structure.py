@@ -94,6 +94,9 @@ class Structure:
             (Megatron-BERT), or `None`.
         output_norm: a `Norm` of the heads before the output projection
             (BitNet), or `None`.
+        shared_key_value: whether the module projects queries only and
+            reads an earlier layer's keys and values (`key` and `value`
+            are then `None`).
         logit_factor: what the module multiplies its logits by beyond
             its `scaling`: the square of a `qk_scale` buffer that scales
             both queries and keys (Ergo's global layers), else 1.
@@ -112,6 +115,7 @@ class Structure:
     logit_factor: float = 1.0
     input_norm: hf_norms.Norm = None
     output_norm: hf_norms.Norm = None
+    shared_key_value: bool = False
 
 
 def read(module, name, head_layout, family, values_are_keys=False):
@@ -139,21 +143,18 @@ def read(module, name, head_layout, family, values_are_keys=False):
         check_all_read(module, children, {"attention"}, name)
         return read(children["attention"], name, head_layout, family,
                     values_are_keys)
-    if getattr(module, "is_kv_shared_layer", False):
-        raise ValueError(
-            f"The {name}: keys and values read from an earlier layer's "
-            "(KV sharing) are not supported. Received: is_kv_shared_layer="
-            "True"
-        )
+    # Gemma 3n's and Gemma 4's last layers: queries only, the keys and
+    # values an earlier layer's (`keras_mha.sharing`).
+    shared = bool(getattr(module, "is_kv_shared_layer", False))
     if values_are_keys and getattr(module, "v_proj", False) is None:
         children["v_proj"] = children["k_proj"]  # the same projection
     if "q_gate_proj" in children:  # MiniCPM5: queries and gates, per head
         children["q_proj"] = children.pop("q_gate_proj")
     query, key, value, output, fused = _projections(
-        module, children, used, name, head_layout, family)
+        module, children, used, name, head_layout, family, shared)
     query, gate = _output_gate(module, children, used, name, head_layout,
                                family, query, output)
-    norms = hf_norms.query_key_norms(children, used, name)
+    norms = hf_norms.query_key_norms(children, used, name, shared)
     value_norm = hf_norms.value_norm(children, used, name)
     output_norm = hf_norms.one_of(children, hf_norms.OUTPUT_NORMS, used, name)
     sinks = None
@@ -165,16 +166,18 @@ def read(module, name, head_layout, family, values_are_keys=False):
         logit_factor = float(host.to_numpy(module.qk_scale)) ** 2
     check_all_read(module, children, used | {"sinks"}, name)
     return Structure(query, key, value, output, gate, *norms, sinks, fused,
-                     value_norm, logit_factor, output_norm=output_norm)
+                     value_norm, logit_factor, output_norm=output_norm,
+                     shared_key_value=shared)
 
 
-def _projections(module, children, used, name, head_layout, family):
+def _projections(module, children, used, name, head_layout, family,
+                 shared=False):
     """`(query, key, value, output, fused)`: the module's `Dense`
     projections, the query with its gate rows if it has them, and the name
-    of its fused projection (or `None`)."""
-    projections = _separate(children, used, name)
+    of its fused projection (or `None`); no key or value where `shared`."""
+    projections = _separate(children, used, name, shared)
     fused = None
-    if projections is None:
+    if projections is None and not shared:
         projections, fused = _fused(module, children, used, name,
                                     head_layout, family)
     if projections is None:
@@ -191,7 +194,7 @@ def _projections(module, children, used, name, head_layout, family):
         used.add("dense_bias")
         output = Dense(output.weight, host.to_numpy(module.dense_bias))
     v_scale = getattr(module, "v_scale", 1.0)  # MiMo-V2-Flash's values
-    if isinstance(v_scale, float) and v_scale != 1.0:
+    if isinstance(v_scale, float) and v_scale != 1.0 and value is not None:
         value = Dense(value.weight * v_scale,
                       None if value.bias is None else value.bias * v_scale)
     return query, key, value, output, fused
@@ -241,6 +244,8 @@ def reordered(structure, order, head_layout):
         return shaped[:, order].reshape(array.shape)
 
     def dense(d, count):
+        if d is None:  # a shared layer's keys (`keras_mha.sharing`)
+            return None
         return Dense(rows(d.weight, count), rows(d.bias, count))
 
     def norm(n, count):
@@ -333,16 +338,19 @@ def _dense(module, owner, attribute):
     return Dense(weight, None if bias is None else host.to_numpy(bias))
 
 
-def _separate(children, used, owner):
+def _separate(children, used, owner, shared=False):
+    """The separate projections `(query, key, value, output)`, or `None`;
+    the query and output only (key and value `None`) where `shared`."""
     for query, key, value, outputs in _SEPARATE:
-        if not all(n in children for n in (query, key, value)):
+        inputs = (query,) if shared else (query, key, value)
+        if not all(n in children for n in inputs):
             continue
         output = next((n for n in outputs if n in children), None)
         if output is None:
             return None
-        names = (query, key, value, output)
-        used.update(names)
-        return tuple(_dense(children[n], owner, n) for n in names)
+        used.update((*inputs, output))
+        return tuple(_dense(children[n], owner, n) if n in inputs + (output,)
+                     else None for n in (query, key, value, output))
     return None
 
 

@@ -244,6 +244,7 @@ def _fixed_arguments(module, config, name, family, structure, head_layout,
         input_norm=_keras_norm(structure.input_norm),
         output_norm=_keras_norm(structure.output_norm),
         qkv_clip=_qkv_clip(module, config),
+        shared_key_value=structure.shared_key_value,
     )
 
 
@@ -349,7 +350,9 @@ def _check_shapes(structure, name, head_layout):
     """The value head size `V`, once the weights agree with `(N, K, H)`."""
     num_heads, num_kv_heads, head_dim = head_layout
     hidden_size = structure.query.weight.shape[1]
-    value_rows = structure.value.weight.shape[0]
+    value_rows = num_kv_heads * (structure.output.weight.shape[1] // num_heads)
+    if structure.value is not None:  # else an earlier layer's (shared)
+        value_rows = structure.value.weight.shape[0]
     value_dim = value_rows // num_kv_heads
     want = {
         "query": (num_heads * head_dim, hidden_size),
@@ -359,6 +362,8 @@ def _check_shapes(structure, name, head_layout):
         "output": (structure.output.weight.shape[0], num_heads * value_dim),
     }
     for projection, shape in want.items():
+        if getattr(structure, projection) is None:
+            continue
         got = getattr(structure, projection).weight.shape
         if tuple(got) != shape or value_rows % num_kv_heads:
             raise ValueError(
@@ -412,6 +417,8 @@ def _qk_norm(structure, name, head_dim):
     query, key, value = (structure.query_norm, structure.key_norm,
                          structure.value_norm)
     epsilons = {n.epsilon for n in (query, key, value) if n is not None}
+    if structure.shared_key_value:  # the keys come normalized, or not
+        key = query
     if len(epsilons) > 1 or (query is None) != (key is None) or (
             query is not None and ((query.scale is None) != (key.scale is None)
                                    or (query.bias is None) != (key.bias is None))):

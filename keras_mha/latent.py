@@ -10,6 +10,7 @@ back.
 import keras
 from keras import ops
 
+from keras_mha import axes
 from keras_mha import checks
 from keras_mha.checks import latent as latent_checks
 from keras_mha import describe as describe_lib
@@ -327,15 +328,10 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
             rope_keys = rotary(
                 rope_keys[:, :, None], start_index=start, positions=at
             )[:, :, 0]  # (B, S, P)
-        dense_mask = None
-        if attention_mask is not None:
-            mask = ops.cast(ops.convert_to_tensor(attention_mask), "bool")
-            while len(mask.shape) < 4:
-                mask = ops.expand_dims(mask, 1 if len(mask.shape) == 3 else 0)
-            dense_mask = mask  # (B|1, N|1, T, S)
         spec = describe_lib.describe(
             self, query_tokens=query_tokens, key_tokens=key_tokens,
-            dense_mask=dense_mask, use_causal_mask=use_causal_mask,
+            dense_mask=None if attention_mask is None else axes.rank4_mask(
+                attention_mask), use_causal_mask=use_causal_mask,
             training=training,
             return_attention_scores=return_attention_scores,
             seed=getattr(self._dropout_layer, "seed_generator", None),

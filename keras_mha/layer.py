@@ -9,18 +9,18 @@ what the call asks of attention (an `AttentionSpec`), attend
 import keras
 from keras import ops
 
+from keras_mha import cache_methods
 from keras_mha import checks
 from keras_mha import describe as describe_lib
-from keras_mha import distribution as distribution_lib
 from keras_mha import heads as heads_lib
 from keras_mha import hooks
 from keras_mha import projections
 from keras_mha import properties
-from keras_mha import serving
 from keras_mha import settings as settings_lib
+from keras_mha import sharing
 from keras_mha.attention import attend
 from keras_mha.attention import attend_cached
-from keras_mha.attention import cache as cache_lib
+from keras_mha.attention import attend_shared
 from keras_mha.attention import masks as masks_lib
 from keras_mha.attention import paged as paged_lib
 from keras_mha.attention import spec as spec_lib
@@ -36,7 +36,7 @@ _SETTINGS = (
     "num_key_value_heads", "attention_chunk_size", "use_sinks", "use_alibi",
     "qk_norm", "qk_norm_scope", "qk_norm_epsilon", "query_temperature",
     "qk_norm_after_rope", "value_norm", "qkv_clip", "gate_activation",
-    "input_norm_scope", "alibi_before_scale",
+    "input_norm_scope", "alibi_before_scale", "shared_key_value",
 )
 # Keras's private names for its layers' settings, read-only here, for code
 # written against Keras's (Keras's own tests read `_flash_attention` and
@@ -61,7 +61,7 @@ _PRIVATE_NAMES = (
 @properties.with_read_only("query_dense", "key_dense", "value_dense",
                            "output_dense")
 class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
-                         keras.layers.Layer):
+                         cache_methods.CacheMethods, keras.layers.Layer):
     """Multi-head attention, a drop-in for `keras.layers.MultiHeadAttention`.
 
     Projects `query`, `key` and `value` into heads, attends, concatenates the
@@ -161,6 +161,11 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             to each token's `N·V` attention features, the heads
             concatenated, before the gate and the output projection
             (BitNet's sub-norm).
+        shared_key_value: the layer projects queries only and attends over
+            an earlier layer's keys and values, its call's
+            `shared_key_value` (Gemma 3n's and Gemma 4's last layers;
+            `keras_mha.sharing`): no key or value projections, no key
+            norm, no cache of its own.
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -198,6 +203,14 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             ..., with `&`, `|`, `~`) or `fn(batch, head, query_position,
             key_position) -> bool`, ANDed with the other masks.
         score_mod: `fn(score, batch, head, query_position, key_position)`.
+        shared_key_value: with `shared_key_value=True` (and no `value`,
+            `key` or `cache`), an earlier layer's keys and values: the
+            `(keys, values)` its call returned, at positions `0 .. S - 1`,
+            or the cache its cached call returned, with the same
+            `cache_update_index`, read and not written.
+        return_key_value: also return `(keys, values)`, `(B, S, K, H)` and
+            `(B, S, K, V)`: this call's tokens' heads as attended over
+            (normalized, rotated), for the layers that share them.
 
     Returns:
         `output`, of the query's shape (the last axis `output_shape` if
@@ -206,7 +219,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         rank > 3, `(B, <other axes>, N, <query attention axes>, <key
         attention axes>)`). With `cache`, `(output, new_cache)`, or
         `(output, scores, new_cache)` with scores `(B, N, T, L + T)`: the
-        `L` cached slots, then the new tokens.
+        `L` cached slots, then the new tokens. With `return_key_value`, the pair
+        last.
     """
 
     _config_names = _SETTINGS  # `properties.Configured.get_config`
@@ -225,7 +239,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         qk_norm_scope="head", qk_norm_epsilon=1e-6, query_temperature=None,
         qk_norm_after_rope=False, value_norm=False, qkv_clip=None,
         gate_activation="sigmoid", input_norm=None, input_norm_scope="all",
-        output_norm=None, alibi_before_scale=False, **kwargs,
+        output_norm=None, alibi_before_scale=False, shared_key_value=False,
+        **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
         key_dim = checks.positive_int("key_dim", key_dim)
@@ -235,13 +250,10 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         dropout = checks.dropout_rate(dropout)
         sliding_window = checks.sliding_window(sliding_window)
         attention_chunk_size = checks.positive_int(
-            "attention_chunk_size", attention_chunk_size, allow_none=True
-        )
+            "attention_chunk_size", attention_chunk_size, allow_none=True)
         scale = checks.positive_number("scale", scale, allow_none=True)
         attn_logits_soft_cap = checks.positive_number(
-            "attn_logits_soft_cap", attn_logits_soft_cap, allow_none=True
-        )
-        use_sinks = checks.boolean("use_sinks", use_sinks)
+            "attn_logits_soft_cap", attn_logits_soft_cap, allow_none=True)
         use_alibi, alibi_before_scale = checks.alibi(use_alibi,
                                                      alibi_before_scale)
         rotary_embedding = checks.rotary_embedding(rotary_embedding)
@@ -256,8 +268,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         axes = checks.attention_axes(attention_axes)
         checks.single_attention_axis(
             axes, attention_axes, sliding_window=sliding_window,
-            attention_chunk_size=attention_chunk_size,
-        )
+            attention_chunk_size=attention_chunk_size)
         self.settings = settings_lib.MultiHeadSettings(
             num_heads=num_heads, key_dim=key_dim,
             value_dim=value_dim or key_dim,
@@ -276,13 +287,15 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             bias_constraint=keras.constraints.get(bias_constraint),
             given_scale=scale,
             scale=spec_lib.default_scale(key_dim) if scale is None else scale,
-            attn_logits_soft_cap=attn_logits_soft_cap, use_sinks=use_sinks,
+            attn_logits_soft_cap=attn_logits_soft_cap,
+            use_sinks=checks.boolean("use_sinks", use_sinks),
             use_alibi=use_alibi, rotary_embedding=rotary_embedding,
             alibi_before_scale=alibi_before_scale,
             input_norm=checks.norm_layer("input_norm", input_norm),
             input_norm_scope=checks.choice(
                 "input_norm_scope", input_norm_scope, ("all", "query")),
             output_norm=checks.norm_layer("output_norm", output_norm),
+            shared_key_value=checks.shared_key_value(self, shared_key_value),
             **head_features,
         )
         self.supports_masking = True
@@ -313,9 +326,11 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
 
     # ------------------------------------------------------------------ build
 
-    def build(self, query_shape, value_shape, key_shape=None):
+    def build(self, query_shape, value_shape=None, key_shape=None):
         settings = self.settings
-        query_shape, value_shape = tuple(query_shape), tuple(value_shape)
+        query_shape = tuple(query_shape)
+        value_shape = tuple(checks.value_or_query(settings, query_shape,
+                                                  value_shape))
         key_shape = value_shape if key_shape is None else tuple(key_shape)
         self._layout = checks.input_shapes(
             query_shape, value_shape, key_shape, settings.attention_axes
@@ -335,6 +350,9 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         # over before the build (`hub.adopt`) are used as they are.
         for name, (count, size, shape) in projected.items():
             if name == "gate" and not settings.use_gate:
+                continue
+            if name in ("key", "value") and settings.shared_key_value:
+                setattr(self, f"_{name}_dense", None)  # `sharing.py`
                 continue
             dense = self._adopted.pop(name, None) or projections.heads_projection(
                 self, len(shape), count, size, name,
@@ -366,11 +384,12 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
     # ------------------------------------------------------------------- call
 
     def call(
-        self, query, value, key=None, query_mask=None, value_mask=None,
+        self, query, value=None, key=None, query_mask=None, value_mask=None,
         key_mask=None, attention_mask=None, return_attention_scores=False,
         training=None, use_causal_mask=False, cache=None,
         cache_update_index=None, attention_bias=None, segment_ids=None,
         key_segment_ids=None, mask_mod=None, score_mod=None,
+        shared_key_value=None, return_key_value=False,
     ):
         if key is None:
             key = value
@@ -385,26 +404,28 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             cache_update_index=cache_update_index,
             attention_bias=attention_bias, segment_ids=segment_ids,
             key_segment_ids=key_segment_ids, mask_mod=mask_mod,
-            score_mod=score_mod)
+            score_mod=score_mod, shared_key_value=shared_key_value,
+            return_key_value=return_key_value)
         layout = self._layout
         query, value, key = projections.normalized_inputs(self, query, value,
                                                           key)
         gate = self._gate_dense(query) if self.settings.use_gate else None
         q = layout.to_sequence(self._query_dense(query))  # (B', T, N, H)
-        k = layout.to_sequence(self._key_dense(key))  # (B', S, K, H)
-        v = layout.to_sequence(self._value_dense(value))  # (B', S, K, V)
         tokens = lambda mask: masks_lib.boolean(layout.token_mask(mask))
         query_tokens = tokens(query_mask)  # (B', T)
         key_tokens = masks_lib.combine_masks(tokens(value_mask),
                                              tokens(key_mask))  # (B', S)
-        # `heads.py`; new keys sit where the queries do when decoding.
-        start = 0 if cache is None or paged else cache_update_index
+        # `heads.py`; new keys sit where the queries do when decoding, as
+        # do queries over an earlier layer's cache (`sharing.py`).
+        reads = sharing.is_cache(shared_key_value)
+        start = cache_update_index if reads or (
+            cache is not None and not paged) else 0
         # A ragged call's tokens sit at their rows' own positions.
         at = paged_lib.token_positions(cache_update_index, q) if paged \
             else None
         q = heads_lib.queries(self, q, start, query_tokens, at)
-        k = heads_lib.keys(self, k, start, key_tokens, at)
-        v = heads_lib.values(self, v, key_tokens)
+        k, v = heads_lib.keys_and_values(self, key, value, start, key_tokens,
+                                         at, shared_key_value)
 
         spec = self._describe(
             query, key, attention_mask, training=training,
@@ -414,7 +435,11 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             segment_ids=segment_ids, key_segment_ids=key_segment_ids,
             mask_mod=mask_mod, score_mod=score_mod)
         new_cache = None
-        if cache is None:
+        if reads:
+            context, scores = attend_shared(q, spec, shared_key_value,
+                                            cache_update_index,
+                                            self.rolling_cache)
+        elif cache is None:
             context, scores = attend(q, k, v, spec)  # (B', T, N, V)
         else:
             context, scores, new_cache = attend_cached(
@@ -425,7 +450,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             scores = layout.scores_from_sequence(scores, query, key)
         else:
             scores = None
-        return self._project_back(context, gate, query, scores, new_cache)
+        return self._project_back(context, gate, query, scores, new_cache,
+                                  (k, v) if return_key_value else None)
 
     def _describe(self, query, key, attention_mask, training=None,
                   return_attention_scores=False, *, query_tokens=None,
@@ -445,9 +471,11 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             **features,
         )
 
-    def _project_back(self, context, gate, query, scores=None, cache=None):
+    def _project_back(self, context, gate, query, scores=None, cache=None,
+                      key_value=None):
         """`(B', T, N, V)` context -> the call's results: the output, then
-        the scores (in the returned layout) and the cache when given."""
+        the scores (in the returned layout), the cache and the keys and
+        values when given."""
         context = self._layout.from_sequence(context, query)  # (B, ..., N, V)
         context = projections.normalized_heads(self, context)
         if gate is not None:
@@ -455,7 +483,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         if scores is not None:
             scores = ops.cast(scores, self.compute_dtype)
         # The output carries the query's Keras mask: `Layer.__call__` sets it.
-        return hooks.results(self._output_dense(context), scores, cache)
+        return hooks.results(self._output_dense(context), scores, cache,
+                             key_value)
 
     def attention_path(
         self, query_shape, value_shape, key_shape=None, *, query_mask=False,
@@ -486,89 +515,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             training=training, cache=cache,
         )
 
-    # ------------------------------------------------------------------ cache
-
-    @property
-    def rolling_cache(self):
-        """Whether `init_cache` makes a rolling buffer (a window, chunks)."""
-        return self.settings.rolling_slots is not None
-
-    def init_cache(self, batch_size, max_length, in_place=False,
-                   quantize=None):
-        """A zero key/value cache for decoding up to `max_length` tokens.
-
-        Args:
-            batch_size: `B`.
-            max_length: the longest sequence to decode. With a
-                `sliding_window` or chunks the cache is a rolling buffer of
-                `w` (or `C`) slots whatever `max_length` is.
-            in_place: whether calls may write into this cache's own
-                tensors (see below). `False` (the default): the caller
-                owns the cache.
-            quantize: `None`, or `"int8"` / `"float8_e4m3fn"`: keys and
-                values stored quantized with one float32 scale per token
-                and key/value head, in pages (a
-                `keras_mha.attention.paged.PagedRows`, docs/serving.md).
-                Such a cache takes no token masks.
-
-        Returns:
-            `(keys, values, valid)` (see `keras_mha.attention.cache`):
-            `keys` `(B, L, K, H)` and `values` `(B, L, K, V)` in the
-            layer's compute dtype, `valid` `(B, L)` boolean, true in the
-            slots where a real (unpadded) token was written. `L` is
-            `max_length`, or when rolling `left + 1` (`w`) or `C`, the
-            fewer. A call returns a cache of the same structure (sharded
-            under `ContextParallel`).
-
-        By default a call never deletes, donates or writes into the cache
-        it is given: it returns a new one, as Keras and keras-hub do. With
-        `in_place=True` an eager call writes into the cache's own tensors,
-        O(T) instead of O(L) (torch, TensorFlow: the same tensors come
-        back; JAX: the ones passed in are donated), and returns an
-        in-place cache. Such a cache says so itself: it is a
-        `keras_mha.attention.cache.InPlaceCache`, a named tuple of the same
-        three tensors, and so is every cache a call on it returns; a plain
-        tuple of them is the caller's. Traced (`jax.jit`, `tf.function`,
-        `torch.compile`), writes are functional in both modes and XLA
-        reuses donated buffers.
-        """
-        slots = checks.cache_slots(self, batch_size, max_length, in_place)
-        settings = self.settings
-        if quantize is not None:
-            checks.paged_cache(self, 1, 1, quantize, in_place)
-            return paged_lib.rows(
-                batch_size, max_length, slots, self.rolling_cache,
-                settings.num_key_value_heads, settings.key_dim,
-                settings.value_dim, self.compute_dtype, quantize, in_place)
-        return distribution_lib.shard_cache(cache_lib.zeros(
-            batch_size, slots, settings.num_key_value_heads, settings.key_dim,
-            settings.value_dim, self.compute_dtype, in_place=in_place,
-        ))
-
     # ----------------------------------------------------------------- shapes
-
-    def init_paged_cache(self, num_pages, page_size, quantize=None,
-                         in_place=False):
-        """An empty paged key/value cache: one pool of `num_pages` pages
-        of `page_size` slots for every sequence this layer serves
-        (docs/serving.md).
-
-        Args:
-            num_pages: the pool's pages.
-            page_size: the slots of a page.
-            quantize: `None` (the compute dtype), `"int8"` or
-                `"float8_e4m3fn"`: values stored with one float32 scale
-                per token and key/value head.
-            in_place: whether eager calls write the new slots into the
-                pool's own tensors (torch, TensorFlow).
-
-        Returns:
-            A `keras_mha.attention.paged.PagedCache` (`InPlacePagedCache`)
-            that a call takes as `cache`, with a `RaggedBatch` as
-            `cache_update_index`; it returns `(output, cache)`.
-        """
-        return serving.paged_cache(self, num_pages, page_size, quantize,
-                                   in_place)
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         key_shape = value_shape if key_shape is None else key_shape
@@ -585,6 +532,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         call = hooks.call_arguments(MultiHeadAttention.call,
                                     checks.call_arguments, self, args, kwargs)
         query, value, key = call["query"], call["value"], call["key"]
+        if call["shared_key_value"] is not None:  # keys: its length or slots
+            value = key = sharing.stand_in(query, call["shared_key_value"])
         output = keras.KerasTensor(
             self.compute_output_shape(
                 query.shape, value.shape, None if key is None else key.shape
@@ -594,6 +543,6 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         return hooks.results(output, *describe_lib.extra_result_specs(
             self, query, value, key,
             return_attention_scores=call["return_attention_scores"],
-            cache=call["cache"],
+            cache=call["cache"], return_key_value=call["return_key_value"],
         ))
 

@@ -221,13 +221,14 @@ def build_norms_around(layer, query_shape, merged_heads):
 
 def normalized_inputs(layer, query, value, key):
     """`(query, value, key)` with the layer's `input_norm` applied to the
-    query, and with `input_norm_scope="all"` to the value and key too."""
+    query, and with `input_norm_scope="all"` to the value and key too
+    (which a layer with shared keys and values does not take)."""
     settings = layer.settings
     norm = settings.input_norm
     if norm is None:
         return query, value, key
     normalized = norm(query)
-    if settings.input_norm_scope == "query":
+    if settings.input_norm_scope == "query" or value is None:
         return normalized, value, key
     if value is query and key is query:  # self-attention: one norm
         return normalized, normalized, normalized

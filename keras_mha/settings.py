@@ -98,6 +98,8 @@ class MultiHeadSettings(AttentionSettings):
             layers that normalize the inputs before the projections (the
             query's only with scope `"query"`) and the heads after
             attention (`projections.py`).
+        shared_key_value: whether the layer projects queries only and
+            reads an earlier layer's keys and values (`sharing.py`).
     """
 
     key_dim: int
@@ -117,6 +119,7 @@ class MultiHeadSettings(AttentionSettings):
     input_norm: Any = None
     input_norm_scope: str = "all"
     output_norm: Any = None
+    shared_key_value: bool = False
 
 
 # The latent layer's values of the settings it has not.

@@ -82,6 +82,12 @@ OVERRIDES = {
     "gemma3n_text": dict(num_hidden_layers=10, num_kv_shared_layers=5,
                          layer_types=(["sliding_attention"] * 4
                                       + ["full_attention"]) * 2),
+    # Gemma 4's too: four layers, the last two shared.
+    "gemma4": dict(num_hidden_layers=4, num_kv_shared_layers=2,
+                   layer_types=["sliding_attention", "full_attention"] * 2),
+    "gemma4_text": dict(num_hidden_layers=4, num_kv_shared_layers=2,
+                        layer_types=["sliding_attention",
+                                     "full_attention"] * 2),
     # MusicGen's input is a row per codebook: the batch's two rows are one
     # sequence's two codebooks.
     "musicgen": dict(num_codebooks=2),

@@ -37,6 +37,8 @@ def layer_weights(layer):
     if getattr(layer, "_use_gate", False):
         dense["gate"] = layer._gate_dense
     for name, sublayer in dense.items():
+        if sublayer is None:  # a layer that shares another's keys, values
+            continue
         weights[name] = np.asarray(sublayer.kernel.numpy(), dtype="float64")
         bias = getattr(sublayer, "bias", None)
         weights[name + "_bias"] = (

@@ -19,6 +19,7 @@ import keras_mha
 from keras_mha import serving
 from keras_mha.attention import attend_cached
 from keras_mha.attention import paged
+from keras_mha.attention import tuning
 from util import attention_spec
 from util import make_layer
 from util import to_numpy
@@ -93,6 +94,49 @@ def test_ragged_rows_match_the_full_pass(rng, feature):
     outputs, _ = _run(layer, x, _table(rng), layer.init_paged_cache(24, 2))
     assert [len(o) for o in outputs] == [8, 12, 11]
     _assert_rows_match_full_pass(layer, x, outputs)
+
+
+@pytest.mark.parametrize("feature", ["window", "soft_cap_sinks", "int8"])
+def test_one_rows_chunks_read_its_pages_as_one_sequence(rng, feature,
+                                                        monkeypatch):
+    """A call of one row and several tokens (a prefill chunk) attends its
+    pages as one sequence on the usual paths (`paged.row_sequence`): the
+    same outputs as the work items, and as the full causal pass. Quantized
+    pages keep the work items, which dequantize them as they read."""
+    x = rng.normal(size=(1, LENGTH, FEATURES)).astype("float32")
+    layer = _layer(x, **FEATURES_OF.get(feature, FEATURES_OF["gqa_rope"]))
+    quantize = "int8" if feature == "int8" else None
+    table = rng.permutation(8)[:6].reshape(1, 6).astype("int32")
+    taken = []
+    original = paged.row_sequence
+
+    def counted(*args, **kwargs):
+        taken.append(original(*args, **kwargs) is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setitem(tuning.OVERRIDES, "paged_row_sequence", True)
+    outputs = {}
+    for route in ("sequence", "items"):
+        monkeypatch.setattr(paged, "row_sequence", counted if route ==
+                            "sequence" else lambda *a, **k: None)
+        pool, position, got = layer.init_paged_cache(8, 2, quantize), 0, []
+        for length in (5, 4, 1, 2):
+            tokens = np.zeros((1, 5, FEATURES), "float32")
+            tokens[0, :length] = x[0, position:position + length]
+            batch = paged.RaggedBatch(table, np.array([position], "int32"),
+                                      np.array([length], "int32"))
+            out, pool = layer(tokens, tokens, use_causal_mask=True,
+                              cache=pool, cache_update_index=batch)
+            got.append(to_numpy(out)[0])  # padded queries too
+            position += length
+        outputs[route] = np.stack(got)
+    assert taken == [quantize is None] * 4
+    np.testing.assert_allclose(outputs["sequence"], outputs["items"],
+                               atol=2e-5, rtol=2e-5)
+    if quantize is None:
+        real = [out[:length] for out, length in zip(outputs["sequence"],
+                                                    (5, 4, 1, 2))]
+        _assert_rows_match_full_pass(layer, x, [np.concatenate(real)])
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])

@@ -91,19 +91,3 @@ def test_decoder_cross_attention():
     assert got.shape == (BATCH, LENGTH, 32)
     np.testing.assert_allclose(got, output, atol=2e-5, rtol=1e-5)
 
-
-def test_kv_sharing_is_refused_by_name():
-    """Gemma 4's last layers read an earlier layer's keys and values: the
-    layer projects its own, so it names what it lacks."""
-    config = transformers.Gemma4TextConfig(
-        **SIZES, num_key_value_heads=2, head_dim=8, global_head_dim=8,
-        num_hidden_layers=3, num_kv_shared_layers=1,
-        hidden_size_per_layer_input=0,
-        layer_types=["sliding_attention", "full_attention",
-                     "full_attention"])
-    assert config.kv_sharing_modes[2] == "reuse"
-    module = transformers.models.gemma4.modeling_gemma4.Gemma4TextAttention(
-        config, 2)
-    with pytest.raises(ValueError, match="Gemma4TextAttention: keys and "
-                       "values read from an earlier layer"):
-        keras_mha.from_torch(module)

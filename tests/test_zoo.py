@@ -51,7 +51,8 @@ FEATURES = {
     "llama4_text": "chunks, NoPE layers, query temperature",
     "hunyuan_v1_dense": "query/key norms after RoPE",
     "codegen": "`rotary_dim`, a fused projection in model-parallel blocks",
-    "gemma4_text": "a value norm, proportional RoPE, keys as values",
+    "gemma4_text": "a value norm, proportional RoPE, keys as values, keys "
+                   "and values shared from earlier layers",
     "persimmon": "LayerNorm query/key norms",
     "dbrx": "clipped projections",
     "nanochat": "a rotation the other way",
@@ -87,14 +88,26 @@ def _calls(model_type):
     return tuple(hf_zoo.run(model_type))
 
 
-def _import(call):
+def _import(call, stored):
     """The imported layer's output on the call's input, or the
-    `ValueError` of the refusal."""
+    `ValueError` of the refusal.
+
+    KV sharing (Gemma 3n, Gemma 4): a layer the model marks as storing
+    its keys and values returns ours (`return_key_value=True`) into
+    `stored`, by layer type, and a shared layer attends over them, as in
+    the model."""
     try:
         layer = keras_mha.from_torch(call.module, config=call.config)
     except ValueError as error:
         return error
-    x = call.hidden_states
+    x, module = call.hidden_states, call.module
+    if getattr(module, "is_kv_shared_layer", False):
+        return to_numpy(layer(x, shared_key_value=stored[module.layer_type],
+                              use_causal_mask=True))
+    if getattr(module, "store_full_length_kv", False):
+        output, stored[module.layer_type] = layer(
+            x, x, use_causal_mask=True, return_key_value=True)
+        return to_numpy(output)
     return to_numpy(layer(x, x, use_causal_mask=True))
 
 
@@ -108,11 +121,11 @@ def result(model_type):
     calls = _calls(model_type)
     if not calls:
         return "no attention", "no attention module ran", ()
-    refusals, classes = [], []
+    refusals, classes, stored = [], [], {}
     for call in calls:
         name = type(call.module).__qualname__
         classes.append(name)
-        got = _import(call)
+        got = _import(call, stored)
         if isinstance(got, ValueError):
             refusals.append(str(got))
             continue

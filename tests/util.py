@@ -31,6 +31,7 @@ OURS_ONLY = (
     "qkv_clip",
     "gate_activation",
     "alibi_before_scale",
+    "shared_key_value",
     "input_norm",
     "input_norm_scope",
     "output_norm",

@@ -200,6 +200,40 @@ def attend_cached(query, key, value, spec, cache, index, rolling,
     return output, weights, new_cache
 
 
+def attend_shared(query, spec, cache, index, rolling):
+    """Attention of queries at positions `index + t` over the cache of
+    another layer, after that layer's call at the same `index` wrote it
+    (keys and values shared between layers, `keras_mha.sharing`).
+
+    The cache is read, never written. A step that `attend_cached` would
+    read where it lies (`slot_write`) is read so here, up to the last
+    query; any other reads the whole cache, each slot at the position it
+    now holds, its flags the keys' mask.
+
+    Args:
+        query: `(B, T, N, H)`.
+        spec: the call's spec, without a key mask.
+        cache: `(keys, values, valid)` (`cache.py`).
+        index: the position of the first query (int or tensor).
+        rolling: whether slot = position mod L.
+
+    Returns:
+        `(output, weights)`, as `attend` returns them; the weights
+        `(B, N, T, L)` over the cache's slots.
+    """
+    spec = spec.replace(sharding=None, query_offset=index)
+    route = dispatch.cache_route(spec, query.shape[1], index, rolling)
+    if route == dispatch.SLOT_WRITE:
+        return decode.decode_attention(query, cache, spec, rolling), None
+    keys, values, valid = cache
+    positions = cache_lib.slot_positions(
+        ops.cast(index, "int32") + ops.shape(query)[1], keys.shape[1],
+        rolling)
+    spec = spec.replace(key_positions=positions, key_mask=valid)
+    return attend(query, ops.cast(keys, query.dtype),
+                  ops.cast(values, query.dtype), spec)
+
+
 def _paged(query, key, value, spec, cache, batch, value_size=None):
     """`attend_cached`'s `paged` route: the new tokens written into their
     pages, then each row's queries attend the pages they can see. A pool
@@ -208,6 +242,10 @@ def _paged(query, key, value, spec, cache, batch, value_size=None):
     rows = paged.token_rows(batch, query.shape[1], paged.page_size(cache),
                             paged.num_pages(cache))[0]
     cache = paged.write(cache, key, value, rows)
+    sequence = paged.row_sequence(cache, batch, query.shape[1], spec,
+                                  query.dtype, value_size)
+    if sequence is not None:  # one row's chunk: its pages read once
+        return _row_sequence(query, spec, *sequence), cache
     items = paged.work_items(batch, paged.page_size(cache),
                              paged.reach_of(spec), query.shape[1])
     value_size = None if cache.values is not None else value_size
@@ -217,6 +255,23 @@ def _paged(query, key, value, spec, cache, batch, value_size=None):
         return decode_kernels.graph_paged(paged.attend, query, cache, batch,
                                           spec, items, value_size), cache
     return paged.attend(query, cache, batch, spec, items, value_size), cache
+
+
+def _row_sequence(query, spec, keys, values, key_positions, start, count):
+    """`_paged` for one row's chunk of `count` tokens at positions `start
+    ...` over its pages as one sequence (`paged.row_sequence`): the usual
+    paths, each key read once, where the work items would read the
+    chunk's queries once per page. Queries past `count` get 0."""
+    length = query.shape[1]
+    real = ops.arange(length, dtype="int32")[None, :] < count  # (1, T)
+    if spec.query_mask is not None:
+        real = ops.logical_and(real, ops.cast(spec.query_mask, "bool"))
+    # Causal: no query sees a slot past the chunk's last token.
+    spec = spec.replace(sharding=None, causal=True, query_offset=start,
+                        key_positions=key_positions, query_mask=real,
+                        key_mask=None)
+    output, _ = attend(query, keys, values, spec)
+    return ops.where(real[:, :, None, None], output, ops.zeros_like(output))
 
 
 def _paged_rows(query, key, value, spec, cache, index, rolling):
@@ -277,4 +332,5 @@ def _whole_cache(query, key, value, spec, cache, index):
     return output, weights, new_cache
 
 
-__all__ = ["AttentionSpec", "attend", "attend_cached", "dispatch", "tuning"]
+__all__ = ["AttentionSpec", "attend", "attend_cached", "attend_shared",
+           "dispatch", "tuning"]

@@ -45,6 +45,7 @@ import keras_mha.attention.cache_kernels as cache_kernels
 import keras_mha.attention.capabilities as capabilities
 import keras_mha.attention.logits as logits_lib
 import keras_mha.attention.masks as masks_lib
+import keras_mha.attention.tuning as tuning
 
 # The quantized storage dtypes, with the largest value each holds.
 QUANTIZED = {"int8": 127.0, "float8_e4m3fn": 448.0}
@@ -345,6 +346,50 @@ def work_items(batch, size, reach, length):
     pages += [0] * (total - len(pages))
     return (ops.convert_to_tensor(np.asarray(rows, "int32")),
             ops.convert_to_tensor(np.asarray(pages, "int32")), False)
+
+
+def row_sequence(cache, batch, length, spec, dtype, value_size=None):
+    """A one-row call of several tokens (a prefill chunk), eager: its
+    pages' keys and values in order as one sequence, from the first page
+    its queries may see, for the usual paths to attend to.
+
+    Returns `(keys, values, key_positions, start, count)`: `(1, S, K, H)`
+    and `(1, S, K, V)` in `dtype`, `(S,)` int32, and the row's first
+    position and token count; `None` for any other call (several rows,
+    one token, traced), a quantized pool (its pages are dequantized as the
+    work items read them, never copied), a row with a page outside the
+    pool, or where the tuning table's `paged_row_sequence` says the work
+    items win.
+    """
+    if not tuning.value("paged_row_sequence") or quantization(cache):
+        return None  # quantized pages: dequantized as read, never copied
+    arrays = concrete(batch)
+    if arrays is None or length < 2 or arrays[0].shape[0] != 1:
+        return None
+    table, (start,), (count,) = arrays[0], *(
+        np.asarray(x, "int64") for x in arrays[1:])
+    size = page_size(cache)
+    reach = reach_of(spec)
+    first = 0 if reach is None else int(reach[0](start, np)) // size
+    last = -(-(start + count) // size)
+    physical = table[0, first:last]
+    if count < 1 or last > table.shape[1] or np.any(
+            (physical < 0) | (physical >= num_pages(cache))):
+        return None
+    physical = ops.convert_to_tensor(physical.astype("int32"))
+    keys = _pages(cache.keys, physical, dtype)
+    values = keys[..., :value_size] if cache.values is None else _pages(
+        cache.values, physical, dtype)
+    positions = first * size + np.arange(keys.shape[1], dtype="int32")
+    return (keys, values, ops.convert_to_tensor(positions), int(start),
+            int(count))
+
+
+def _pages(pool, physical, dtype):
+    """The pages `physical` `(P,)` of `pool` as one sequence `(1, P·Z, K,
+    D)` in `dtype`."""
+    x = ops.cast(ops.take(pool, physical, axis=0), dtype)  # (P, Z, K, D)
+    return ops.reshape(x, (1, -1, *x.shape[2:]))
 
 
 def reach_of(spec):

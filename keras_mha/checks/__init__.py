@@ -8,7 +8,8 @@ layer has a message for the same error, its wording is included.
 
 `arguments.py` checks constructor arguments, `inputs.py` a call's
 tensors, `cache.py` a decoding call's cache and index, `paged.py` a paged
-cache and a ragged call.
+cache and a ragged call, `sharing.py` a call that reads an earlier
+layer's keys and values.
 """
 
 from keras_mha.checks.arguments import positive_int
@@ -46,6 +47,8 @@ from keras_mha.checks.cache import cache_slots
 from keras_mha.checks.paged import paged_cache
 from keras_mha.checks.paged import pool_shapes
 from keras_mha.checks.cache import cache_tensor
+from keras_mha.checks.sharing import shared_key_value
+from keras_mha.checks.sharing import value_or_query
 
 __all__ = [
     "alibi",
@@ -79,6 +82,8 @@ __all__ = [
     "scores_and_flash",
     "segment_ids",
     "shape_and_dtype",
+    "shared_key_value",
     "single_attention_axis",
     "sliding_window",
+    "value_or_query",
 ]

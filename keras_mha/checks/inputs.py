@@ -13,6 +13,8 @@ from keras_mha.checks.arguments import dims_agree
 from keras_mha.checks.arguments import shape_and_dtype
 from keras_mha.checks.cache import cache_call
 from keras_mha.checks.cache import cache_index
+from keras_mha.checks.sharing import shared_call
+from keras_mha.checks.sharing import value_or_query
 
 # A call's array arguments (`cache` apart: a tuple of them, or one tensor).
 ARRAY_ARGUMENTS = (
@@ -322,6 +324,7 @@ def call_arguments(
     attention_mask, return_attention_scores, use_causal_mask, cache,
     cache_update_index, attention_bias=None, segment_ids=None,
     key_segment_ids=None, training=None, mask_mod=None, score_mod=None,
+    shared_key_value=None, return_key_value=False,
 ):
     """Checks a call of `layer` from shapes and dtypes alone.
 
@@ -330,6 +333,17 @@ def call_arguments(
     Takes every argument of the call, by keyword; `training` needs no
     check.
     """
+    stand_in = shared_call(
+        layer, query=query, value=value, cache=cache,
+        cache_update_index=cache_update_index,
+        shared_key_value=shared_key_value, return_key_value=return_key_value,
+        value_mask=value_mask, key_mask=key_mask,
+        paged=paged_lib.is_paged(cache) or isinstance(
+            cache, paged_lib.PagedRows))
+    if stand_in is not None:  # a layer that shares an earlier one's
+        value = key = stand_in
+        if len(shared_key_value) == 3:
+            cache = shared_key_value  # read as a cache of its own
     if isinstance(cache, paged_lib.PagedRows):  # quantized, in pages
         length = query.shape[1]
         cache_index(cache_update_index, length,
@@ -338,6 +352,7 @@ def call_arguments(
         cache, cache_update_index = cache.pool, paged_lib.rows_batch(
             cache, cache_update_index, length)
     programs(mask_mod, score_mod)
+    value = value_or_query(layer.settings, query, value)
     if paged_lib.is_paged(cache):  # a ragged call (`checks/paged.py`)
         return ragged_call(layer, (query, value, key), cache,
                            cache_update_index, use_causal_mask,
