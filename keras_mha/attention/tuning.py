@@ -390,7 +390,8 @@ TABLE = {
             True,
             "a one-row prefill chunk reads each key once, not its queries "
             "once per page: continuous batching 0.60x -> 0.80x of the "
-            "static loop on torch, 0.61x -> 0.65x on TensorFlow",
+            "static loop on torch, 0.60x, 0.63x -> 0.63x, 0.66x on "
+            "TensorFlow",
             _SERVING.format(f"{TORCH}|{TENSORFLOW}"),
         ),
     },
