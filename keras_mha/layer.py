@@ -517,9 +517,12 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
 
     # ----------------------------------------------------------------- shapes
 
-    def compute_output_shape(self, query_shape, value_shape, key_shape=None):
-        key_shape = value_shape if key_shape is None else key_shape
+    def compute_output_shape(self, query_shape, value_shape=None,
+                             key_shape=None):
         query_shape = tuple(query_shape)
+        value_shape = checks.value_or_query(self.settings, query_shape,
+                                            value_shape)
+        key_shape = value_shape if key_shape is None else key_shape
         checks.input_shapes(
             query_shape, tuple(value_shape), tuple(key_shape),
             self.settings.attention_axes,

@@ -13,9 +13,10 @@ full), as that layer made them (normalized, rotated, padding zeroed).
   - the pair, whose keys sit at positions `0 .. S - 1`, as in a call
     without a cache (training, a whole prompt);
   - or the earlier layer's cache as its cached call returned it, with the
-    same `cache_update_index`. The cache is read, never written: its
-    queries sit at `cache_update_index + t` and see the slots below the
-    last one (`attention.attend_shared`). It keeps no cache of its own.
+    same `cache_update_index`. The cache is read, never written: the
+    queries sit at `cache_update_index + t` and see the slots up to their
+    own positions (`attention.attend_shared`). It keeps no cache of its
+    own.
 - A rolling cache (a window, chunks) forgets what a longer prompt's first
   tokens saw. A layer that shares one reads it a token at a time or for a
   first prompt within its slots. For a longer prompt it takes the pair,

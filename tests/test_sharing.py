@@ -134,6 +134,7 @@ def test_a_model_trains_saves_and_loads(rng, tmp_path):
     outputs = shared(inputs, shared_key_value=pair, use_causal_mask=True)
     model = keras.Model(inputs, outputs)
     assert tuple(model.output.shape) == (None, T, E)
+    assert tuple(shared.compute_output_shape((B, T, E))) == (B, T, E)
     path = tmp_path / "shared.keras"
     model.save(path)
     loaded = keras.saving.load_model(path)
@@ -152,7 +153,7 @@ def _bad_calls(source, shared, x, y, pair, cache):
     """`(call, error, match)` for each misuse."""
     return [
         (lambda: shared(y, y, shared_key_value=pair), ValueError,
-         r"takes no `value`.*Received: value="),
+         r"takes no `value`.*Received: value.shape=\(2, 12, 16\)"),
         (lambda: shared(y, use_causal_mask=True), ValueError,
          r"Received: shared_key_value=None"),
         (lambda: source(x, x, shared_key_value=pair), ValueError,

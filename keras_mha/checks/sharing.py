@@ -27,14 +27,15 @@ def shared_key_value(layer, value):
     return value
 
 
-def _received(value):
-    """How a received `shared_key_value` is named in a message."""
-    if value is None:
-        return "None"
+def _received(name, value):
+    """How argument `name`'s `value` is named in a message: `name.shape=`
+    a tensor's shape, else `name=` the value (a tuple or list by its
+    length)."""
+    if hasattr(value, "shape"):
+        return f"{name}.shape={shape_and_dtype(value)[0]}"
     if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return shape_and_dtype(value)[0] if hasattr(value, "shape") else repr(
-        value)
+        return f"{name}=a {type(value).__name__} of {len(value)}"
+    return f"{name}={value!r}"
 
 
 def shared_call(layer, *, query, value, cache, cache_update_index,
@@ -57,8 +58,8 @@ def shared_call(layer, *, query, value, cache, cache_update_index,
             raise ValueError(
                 "`shared_key_value` is read only by a layer built with "
                 "`shared_key_value=True`; this one projects its own keys "
-                "and values. Received: shared_key_value="
-                f"{_received(shared_key_value)}")
+                "and values. Received: "
+                f"{_received('shared_key_value', shared_key_value)}")
         if return_key_value and (len(query.shape) != 3 or paged):
             raise ValueError(
                 "`return_key_value=True` needs inputs of rank 3 (batch, "
@@ -76,14 +77,13 @@ def shared_call(layer, *, query, value, cache, cache_update_index,
                 f"`{name}`: it attends over `shared_key_value`, an earlier "
                 "layer's keys and values (its `return_key_value=True` "
                 "pair, or the cache its call returned). Received: "
-                f"{name}={_received(given)}")
+                f"{_received(name, given)}")
     if len(query.shape) != 3:
         raise ValueError(
             "A layer built with `shared_key_value=True` needs a query of "
             "rank 3 (batch, sequence, features). Received: "
             f"query.shape={tuple(query.shape)}")
-    if isinstance(shared_key_value, (tuple, list)) and len(
-            shared_key_value) == 3:
+    if sharing.is_cache(shared_key_value):
         return _shared_cache(layer, query, shared_key_value,
                              cache_update_index, value_mask, key_mask)
     return _shared_pair(layer, query, shared_key_value, cache_update_index)
@@ -99,7 +99,7 @@ def _shared_pair(layer, query, pair, index):
             "`shared_key_value` must be an earlier layer's `(keys, values)` "
             "(its call with `return_key_value=True`) or `(keys, values, "
             "valid)`, the cache its call returned. Received: "
-            f"shared_key_value={_received(pair)}")
+            f"{_received('shared_key_value', pair)}")
     if index is not None:
         raise ValueError(
             "`shared_key_value=(keys, values)` holds positions 0 .. S - 1 "
@@ -157,6 +157,6 @@ def value_or_query(settings, query, value):
     if settings.shared_key_value:
         return query
     if value is None:
-        raise ValueError("`value` is required but for a layer built with "
+        raise ValueError("`value` is required, except by a layer built with "
                          "`shared_key_value=True`. Received: value=None")
     return value
