@@ -245,7 +245,24 @@ def _fixed_arguments(module, config, name, family, structure, head_layout,
         output_norm=_keras_norm(structure.output_norm),
         qkv_clip=_qkv_clip(module, config),
         shared_key_value=structure.shared_key_value,
+        key_value_source=(_key_value_source(module, config)
+                          if structure.shared_key_value else None),
     )
+
+
+def _key_value_source(module, config):
+    """The `layer_idx` of the layer whose keys and values a shared module
+    reads: the last earlier one of its layer type that the config marks
+    `"store"` (`kv_sharing_modes`, Gemma 3n and Gemma 4); `None` where the
+    config does not say."""
+    modes = getattr(config, "kv_sharing_modes", None)
+    types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if modes is None or types is None or index is None:
+        return None
+    sources = [j for j in range(index)
+               if modes[j] == "store" and types[j] == types[index]]
+    return sources[-1] if sources else None
 
 
 def _keras_norm(norm):

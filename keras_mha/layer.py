@@ -37,6 +37,7 @@ _SETTINGS = (
     "qk_norm", "qk_norm_scope", "qk_norm_epsilon", "query_temperature",
     "qk_norm_after_rope", "value_norm", "qkv_clip", "gate_activation",
     "input_norm_scope", "alibi_before_scale", "shared_key_value",
+    "key_value_source",
 )
 # Keras's private names for its layers' settings, read-only here, for code
 # written against Keras's (Keras's own tests read `_flash_attention` and
@@ -166,6 +167,11 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             `shared_key_value` (Gemma 3n's and Gemma 4's last layers;
             `keras_mha.sharing`): no key or value projections, no key
             norm, no cache of its own.
+        key_value_source: with `shared_key_value`, `None` or which earlier
+            layer's keys and values it reads, as its model names or
+            numbers its layers (`from_torch` sets the `layer_idx` of
+            transformers' source layer). The caller routes them; the layer
+            keeps the name in its config.
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -240,7 +246,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         qk_norm_after_rope=False, value_norm=False, qkv_clip=None,
         gate_activation="sigmoid", input_norm=None, input_norm_scope="all",
         output_norm=None, alibi_before_scale=False, shared_key_value=False,
-        **kwargs,
+        key_value_source=None, **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
         key_dim = checks.positive_int("key_dim", key_dim)
@@ -296,6 +302,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
                 "input_norm_scope", input_norm_scope, ("all", "query")),
             output_norm=checks.norm_layer("output_norm", output_norm),
             shared_key_value=checks.shared_key_value(self, shared_key_value),
+            key_value_source=checks.key_value_source(key_value_source,
+                                                     shared_key_value),
             **head_features,
         )
         self.supports_masking = True

@@ -100,6 +100,7 @@ class MultiHeadSettings(AttentionSettings):
             attention (`projections.py`).
         shared_key_value: whether the layer projects queries only and
             reads an earlier layer's keys and values (`sharing.py`).
+        key_value_source: `None`, or the name or index of that layer.
     """
 
     key_dim: int
@@ -120,6 +121,7 @@ class MultiHeadSettings(AttentionSettings):
     input_norm_scope: str = "all"
     output_norm: Any = None
     shared_key_value: bool = False
+    key_value_source: Any = None
 
 
 # The latent layer's values of the settings it has not.

@@ -7,9 +7,11 @@ full), as that layer made them (normalized, rotated, padding zeroed).
 - The earlier layer is any `MultiHeadAttention`. A call with
   `return_key_value=True` also returns `(keys, values)`, `(B, S, K, H)`
   and `(B, S, K, V)`: the heads it attended over, of this call's tokens.
-- The layer that shares them is built with `shared_key_value=True`. It
-  has no key or value projections (nor a key norm), and its call takes no
-  `value` or `key`. It takes `shared_key_value`:
+- The layer that shares them is built with `shared_key_value=True` (and
+  `key_value_source`, the earlier layer's index or name, which the caller
+  routes by; `from_torch` sets it). It has no key or value projections
+  (nor a key norm), and its call takes no `value` or `key`. It takes
+  `shared_key_value`:
   - the pair, whose keys sit at positions `0 .. S - 1`, as in a call
     without a cache (training, a whole prompt);
   - or the earlier layer's cache as its cached call returned it, with the

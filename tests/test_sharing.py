@@ -212,6 +212,23 @@ def test_keras_hubs_cached_layer_refuses_it():
         keras_mha.MultiHeadAttention(2, 4, shared_key_value="yes")
 
 
+def test_the_source_is_named_in_the_config():
+    """`key_value_source` names the layer whose keys and values a shared
+    layer reads (an index or a name); the config keeps it."""
+    layer = keras_mha.MultiHeadAttention(2, 4, shared_key_value=True,
+                                         key_value_source="block_3")
+    config = layer.get_config()
+    assert config["key_value_source"] == "block_3"
+    again = keras_mha.MultiHeadAttention.from_config(config)
+    assert again.key_value_source == "block_3" and again.shared_key_value
+    with pytest.raises(ValueError, match="Received: key_value_source=3, "
+                       "shared_key_value=False"):
+        keras_mha.MultiHeadAttention(2, 4, key_value_source=3)
+    with pytest.raises(TypeError, match="Received: key_value_source=-1"):
+        keras_mha.MultiHeadAttention(2, 4, shared_key_value=True,
+                                     key_value_source=-1)
+
+
 def test_gemma4_decodes_as_its_model():
     """Gemma 4's tiny model in transformers, its last two layers sharing
     the keys and values of the first two (a sliding layer and a full one),
@@ -236,24 +253,26 @@ def test_gemma4_decodes_as_its_model():
     layers = [keras_mha.from_torch(module) for module in modules]
     assert [layer.shared_key_value for layer in layers] == [False, False,
                                                             True, True]
+    # Layer 2 reads layer 0's (sliding), layer 3 layer 1's (full).
+    assert [layer.key_value_source for layer in layers] == [None, None, 0, 1]
     prompt, steps = T - 4, 4
     caches = {i: layers[i].init_cache(B, T) for i in (0, 1)}
     stored = {}
 
     def ours(i):
-        layer, kind = layers[i], modules[i].layer_type
+        layer, source = layers[i], layers[i].key_value_source
 
         def call(x, start):
             if not layer.shared_key_value:
                 output, caches[i], pair = layer(
                     x, x, use_causal_mask=True, cache=caches[i],
                     cache_update_index=start, return_key_value=True)
-                stored[kind] = pair, caches[i]
+                stored[i] = pair, caches[i]
             elif start == 0:
-                output = layer(x, shared_key_value=stored[kind][0],
+                output = layer(x, shared_key_value=stored[source][0],
                                use_causal_mask=True)
             else:
-                output = layer(x, shared_key_value=stored[kind][1],
+                output = layer(x, shared_key_value=stored[source][1],
                                cache_update_index=start, use_causal_mask=True)
             return to_numpy(output)
         return call

@@ -94,18 +94,19 @@ def _import(call, stored):
 
     KV sharing (Gemma 3n, Gemma 4): a layer the model marks as storing
     its keys and values returns ours (`return_key_value=True`) into
-    `stored`, by layer type, and a shared layer attends over them, as in
-    the model."""
+    `stored`, by its index, and a shared layer attends over those of the
+    layer its `key_value_source` names."""
     try:
         layer = keras_mha.from_torch(call.module, config=call.config)
     except ValueError as error:
         return error
     x, module = call.hidden_states, call.module
     if getattr(module, "is_kv_shared_layer", False):
-        return to_numpy(layer(x, shared_key_value=stored[module.layer_type],
-                              use_causal_mask=True))
+        return to_numpy(layer(
+            x, shared_key_value=stored[layer.key_value_source],
+            use_causal_mask=True))
     if getattr(module, "store_full_length_kv", False):
-        output, stored[module.layer_type] = layer(
+        output, stored[module.layer_idx] = layer(
             x, x, use_causal_mask=True, return_key_value=True)
         return to_numpy(output)
     return to_numpy(layer(x, x, use_causal_mask=True))

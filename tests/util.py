@@ -32,6 +32,7 @@ OURS_ONLY = (
     "gate_activation",
     "alibi_before_scale",
     "shared_key_value",
+    "key_value_source",
     "input_norm",
     "input_norm_scope",
     "output_norm",

@@ -47,6 +47,7 @@ from keras_mha.checks.cache import cache_slots
 from keras_mha.checks.paged import paged_cache
 from keras_mha.checks.paged import pool_shapes
 from keras_mha.checks.cache import cache_tensor
+from keras_mha.checks.sharing import key_value_source
 from keras_mha.checks.sharing import shared_key_value
 from keras_mha.checks.sharing import value_or_query
 
@@ -69,6 +70,7 @@ __all__ = [
     "feature_arguments",
     "head_features",
     "key_value_heads",
+    "key_value_source",
     "flash_attention",
     "input_norm_features",
     "input_shapes",

@@ -27,6 +27,26 @@ def shared_key_value(layer, value):
     return value
 
 
+def key_value_source(value, shared_key_value):
+    """The constructor's `key_value_source`: `None`, an index `>= 0` or a
+    name, given only with `shared_key_value=True`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not (
+            (isinstance(value, int) and value >= 0)
+            or (isinstance(value, str) and value)):
+        raise TypeError(
+            "`key_value_source` must be `None`, a layer index >= 0 or a "
+            f"layer name. Received: key_value_source={value!r}")
+    if not shared_key_value:
+        raise ValueError(
+            "`key_value_source` names the earlier layer whose keys and "
+            "values a layer built with `shared_key_value=True` reads. "
+            f"Received: key_value_source={value!r}, shared_key_value="
+            f"{shared_key_value!r}")
+    return value
+
+
 def _received(name, value):
     """How argument `name`'s `value` is named in a message: `name.shape=`
     a tensor's shape, else `name=` the value (a tuple or list by its
