@@ -361,10 +361,11 @@ def row_sequence(cache, batch, length, spec, dtype, value_size=None):
     pool, or where the tuning table's `paged_row_sequence` says the work
     items win.
     """
-    if not tuning.value("paged_row_sequence") or quantization(cache):
+    if length < 2 or batch.page_table.shape[0] != 1 or quantization(
+            cache) or not tuning.value("paged_row_sequence"):
         return None  # quantized pages: dequantized as read, never copied
-    arrays = concrete(batch)
-    if arrays is None or length < 2 or arrays[0].shape[0] != 1:
+    arrays = concrete(batch)  # read on the host once the call qualifies
+    if arrays is None:
         return None
     table, (start,), (count,) = arrays[0], *(
         np.asarray(x, "int64") for x in arrays[1:])
