@@ -118,6 +118,8 @@ class CachedMultiHeadAttention(MultiHeadAttention):
         given when `cache_update_index=None`).
     """
 
+    takes_shared_key_value = False  # keras-hub's call
+
     def call(
         self,
         query,

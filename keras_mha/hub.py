@@ -93,6 +93,8 @@ class HubAttention(CachedMultiHeadAttention):
         self._adopted.update(
             {ours: sublayer for ours, (_, sublayer) in reading.sublayers.items()
              if ours != "rotary_embedding"})  # that one is an argument
+        for theirs, sublayer in reading.passengers.items():
+            setattr(self, theirs, sublayer)  # tracked: held, never called
         shape = (None, None, reading.hidden_size)
         self.build(shape, shape)
         self._present_as(attention, reading.sublayers)
@@ -136,6 +138,9 @@ class HubAttention(CachedMultiHeadAttention):
         for theirs, ours in _CALL_NAMES.items():  # SmolLM3's, Falcon's
             if theirs in kwargs:
                 kwargs[ours] = kwargs.pop(theirs)
+        # Gemma 3n's block hands its mask by position.
+        kwargs.update(zip(_POSITIONAL, args[1:]))
+        args = args[:1]
         # Falcon's block hands its ALiBi terms over; the layer makes the
         # same (`use_alibi`, `alibi_before_scale`).
         kwargs.pop("alibi", None)
@@ -202,6 +207,93 @@ class HubAttention(CachedMultiHeadAttention):
         return (output, None) if self.always_return_cache else output
 
 
+@keras.saving.register_keras_serializable(package="keras_mha")
+class Gemma3nHubAttention(HubAttention):
+    """Gemma 3n's attention (`Gemma3nTextAttention`), computed by this
+    library: `HubAttention` with Gemma 3n's call and cache.
+
+    A call returns `(output, None, cache)`, as keras-hub's returns its
+    weights in the middle (not computed here), and its cache `(B, 2, K, S,
+    H)` holds the heads before the slots. Without a cache the cache
+    returned is this call's keys and values, which the layers that share
+    them read. A layer built with `shared_key_value=True` (keras-hub's
+    `is_kv_shared_layer`) is handed the earlier layer's cache as its own
+    and returns it as it is: the keys and values of a whole sequence (a
+    cache of the sequence's length at index 0, as in training) with the
+    block's `CausalMask`, or the slots a cached call reads up to its
+    position (`MultiHeadAttention`'s `shared_key_value`).
+    """
+
+    takes_shared_key_value = True
+
+    def call(self, hidden_states, attention_mask=None, cache=None,
+             cache_update_index=0, cache_update_mask=None, training=None,
+             causal=False, key_mask=None):
+        mask = dict(attention_mask=None if causal else attention_mask,
+                    use_causal_mask=causal, key_mask=key_mask,
+                    training=training)
+        if self.settings.shared_key_value:
+            keys, values = (_slots_first(cache[:, i]) for i in (0, 1))
+            if causal:  # the whole sequence's keys and values
+                shared = dict(shared_key_value=(keys, values))
+            else:  # slots written up to the call's position
+                valid = _valid_slots(attention_mask, keys)
+                shared = dict(shared_key_value=(keys, values, valid),
+                              cache_update_index=cache_update_index)
+                mask.update(attention_mask=None, use_causal_mask=True)
+            return MultiHeadAttention.call(
+                self, hidden_states, **mask, **shared), None, cache
+        if cache is None:
+            output, (keys, values) = MultiHeadAttention.call(
+                self, hidden_states, hidden_states, return_key_value=True,
+                **mask)
+            return output, None, ops.stack(
+                (_slots_first(keys), _slots_first(values)), axis=1)
+        given = ops.transpose(cache, (0, 1, 3, 2, 4))  # (B, 2, S, K, H)
+        output, new = CachedMultiHeadAttention.call(
+            self, hidden_states, hidden_states,
+            attention_mask=attention_mask, cache=given,
+            cache_update_index=cache_update_index, training=training)
+        if cache_update_mask is not None:
+            new = _keep_unmasked(given, new, cache_update_mask,
+                                 cache_update_index)
+        return output, None, ops.transpose(new, (0, 1, 3, 2, 4))
+
+    def compute_output_spec(self, hidden_states, attention_mask=None,
+                            cache=None, *args, **kwargs):
+        output = keras.KerasTensor(hidden_states.shape,
+                                   dtype=self.compute_dtype)
+        if cache is None:
+            settings = self.settings
+            cache = (hidden_states.shape[0], 2,
+                     settings.num_key_value_heads, hidden_states.shape[1],
+                     settings.key_dim)
+        else:
+            cache = cache.shape
+        return output, None, keras.KerasTensor(cache,
+                                               dtype=self.compute_dtype)
+
+
+def _valid_slots(attention_mask, keys):
+    """The slots `(B, S)` a shared layer's cached call reads: the last
+    query's row of the block's mask (causal and padding: each earlier
+    query's row is the same up to its position, which the layer applies),
+    or every slot."""
+    if attention_mask is None:
+        return ops.ones(ops.shape(keys)[:2], "bool")
+    return ops.cast(attention_mask[:, -1, :], "bool")
+
+
+def _slots_first(x):
+    """`(B, S, K, H)` <-> `(B, K, S, H)`."""
+    return ops.transpose(x, (0, 2, 1, 3))
+
+
+# The layers `adopt` builds, by `Reading.layer`.
+LAYERS = {"HubAttention": HubAttention,
+          "Gemma3nHubAttention": Gemma3nHubAttention}
+
+
 def _no_position_ids(position_ids):
     if position_ids is not None:
         raise ValueError(
@@ -212,6 +304,9 @@ def _no_position_ids(position_ids):
         )
 
 
+# The call's arguments after `hidden_states`, in order.
+_POSITIONAL = ("attention_mask", "cache", "cache_update_index",
+               "cache_update_mask", "training")
 # The call's arguments as some blocks name them (SmolLM3's cache,
 # Falcon's `inputs`), and ours.
 _CALL_NAMES = {"self_attention_cache": "cache",
@@ -228,15 +323,21 @@ class CausalMask:
     padding: object = None
 
 
-def _structural(method):
+def _structural(method, whole_cache=False):
     """The block's mask `method`, returning a `CausalMask` when the call has
-    no cache and no mask of the caller's; the dense mask otherwise."""
+    no cache and no mask of the caller's; the dense mask otherwise. With
+    `whole_cache` (a block whose layer reads an earlier layer's keys and
+    values as its cache, Gemma 3n's), a cache `(B, 2, K, S, H)` of the
+    sequence's own length at index 0 is a whole sequence's keys and values
+    (training, a first prompt), and counts as none."""
     signature = inspect.signature(method)
 
     sequence = next(iter(signature.parameters))
 
     def compute_mask(*args, **kwargs):
         bound = signature.bind(*args, **kwargs).arguments
+        if whole_cache and _whole_sequence(bound, sequence):
+            bound = {**bound, "cache": None}
         padding = next((v for k, v in bound.items() if "padding_mask" in k),
                        None)
         # A cache, a mask of the caller's, Gemma 3's vision mask.
@@ -246,6 +347,14 @@ def _structural(method):
         return method(*args, **kwargs) if given else CausalMask(padding)
 
     return compute_mask
+
+
+def _whole_sequence(bound, sequence):
+    cache = bound.get("cache")
+    index = bound.get("cache_update_index", 0)
+    length = bound[sequence].shape[1]
+    return (cache is not None and isinstance(index, int) and index == 0
+            and length is not None and cache.shape[3] == length)
 
 
 # The block methods that build a decoder block's dense mask.
@@ -291,15 +400,16 @@ def adopt(model):
             class); the model is then left unchanged.
     """
     backbone = getattr(model, "backbone", model)
-    blocks = getattr(backbone, "transformer_layers", None)
+    blocks = getattr(getattr(backbone, "language_model", backbone),
+                     "transformer_layers", None)  # Gemma 3n's text model
     if not _from_keras_hub(backbone) or not blocks:
         raise ValueError(
             "`adopt` takes a keras-hub `CausalLM` or `Backbone` with "
             "decoder blocks (`backbone.transformer_layers`). Received: "
             f"model of type {type(model).__name__}"
         )
-    plan = []
-    for block in blocks:
+    plan, last_of_kind = [], {}
+    for index, block in enumerate(blocks):
         attribute = next((a for a in _BLOCK_ATTRIBUTES
                           if getattr(block, a, None) is not None), None)
         if attribute is None and any(getattr(block, a, None) is not None
@@ -316,8 +426,9 @@ def adopt(model):
                 "attention is not one `adopt` knows. Received: "
                 f"{attribute}={type(attention).__name__}"
             )
-        plan.append((block, attribute, attention,
-                     reader(attention, type(attention).__name__)))
+        reading = reader(attention, type(attention).__name__)
+        _route_shared(reading, index, last_of_kind)
+        plan.append((block, attribute, attention, reading))
     for block, *rest in plan:  # every block read: now swap
         _swap(block, *rest)
     return model
@@ -335,14 +446,26 @@ def _reader(attention):
     return None
 
 
+def _route_shared(reading, index, last_of_kind):
+    """Sets a shared layer's `key_value_source`: the last earlier block of
+    its kind (its window), as Gemma 3n's model routes caches."""
+    kind = reading.kwargs.get("sliding_window")
+    if reading.kwargs.get("shared_key_value"):
+        reading.kwargs["key_value_source"] = last_of_kind.get(kind)
+    else:
+        last_of_kind[kind] = index
+
+
 def _swap(block, attribute, attention, reading):
-    layer = HubAttention(**reading.kwargs, name=attention.name,
-                         dtype=attention.dtype_policy)
+    layer = LAYERS[reading.layer](**reading.kwargs, name=attention.name,
+                                  dtype=attention.dtype_policy)
     layer.take_over(attention, reading)
     _replace_sublayer(block, attribute, attention, layer)
     for name in _MASK_METHODS:
         if hasattr(block, name):
-            object.__setattr__(block, name, _structural(getattr(block, name)))
+            object.__setattr__(block, name, _structural(
+                getattr(block, name),
+                whole_cache=reading.kwargs.get("shared_key_value", False)))
             break
 
 

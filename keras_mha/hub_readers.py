@@ -157,11 +157,20 @@ class Reading:
             projections (`query`, `key`, `value`, `output`), query/key
             norms (`query_norm`, `key_norm`), the `sinks` and the
             `rotary_embedding`, taken over as they are.
+        passengers: `{keras-hub's attribute: layer}`: sublayers the layer
+            holds at keras-hub's names, weights and all, and never calls
+            (the key and value projections of Gemma 3n's layers that read
+            an earlier layer's keys and values), so the model's weights and
+            saved files stay keras-hub's.
+        layer: the class `adopt` builds (`hub.LAYERS`): `"HubAttention"`,
+            or `"Gemma3nHubAttention"` for Gemma 3n's call and cache.
     """
 
     kwargs: dict
     hidden_size: int
     sublayers: dict
+    passengers: dict = dataclasses.field(default_factory=dict)
+    layer: str = "HubAttention"
 
 
 def _sublayers(attention, **names):
@@ -427,6 +436,49 @@ def _falcon(attention, name):
     return Reading(kwargs, hidden_size, sublayers)
 
 
+def _gemma3n(attention, name):
+    """Gemma 3n: `Dense` projections `(E, N·H)` and an output `Dense` `(N·H,
+    E)` (seen as heads), per-head query/key norms `x·w` (called as they
+    are), values normalized without weights, keras-hub's rotary layer, a
+    logit scale of 1, the layer's own window. Its last layers
+    (`is_kv_shared_layer`) read the keys and values of the last earlier
+    layer of their kind: they keep their own key and value projections as
+    passengers, as keras-hub's layers keep them unused."""
+    num_heads = int(attention.num_attention_heads)
+    num_kv = int(attention.num_key_value_heads)
+    shared = bool(attention.is_kv_shared_layer)
+    views = dict(query=("q_proj", num_heads), key=("k_proj", num_kv),
+                 value=("v_proj", num_kv))
+    sublayers = {
+        ours: (theirs, HeadsOfDense(getattr(attention, theirs), count))
+        for ours, (theirs, count) in views.items()
+        if ours == "query" or not shared
+    }
+    sublayers.update(
+        output=("o_proj", HeadsOfDense(attention.o_proj, num_heads,
+                                       merge=True)),
+        query_norm=("q_norm", attention.q_norm),
+        rotary_embedding=("rotary_embedding", attention.rotary_embedding))
+    passengers = {}
+    if shared:
+        passengers = {theirs: getattr(attention, theirs)
+                      for theirs in ("k_proj", "v_proj", "k_norm")}
+    else:
+        sublayers["key_norm"] = ("k_norm", attention.k_norm)
+    window = attention.sliding_window
+    kwargs = dict(
+        num_heads=num_heads, key_dim=int(attention.head_dim),
+        num_key_value_heads=num_kv, use_bias=bool(attention.attention_bias),
+        dropout=float(attention.attention_dropout),
+        rotary_embedding=attention.rotary_embedding, scale=1.0,
+        qk_norm="rms", qk_norm_epsilon=float(attention.rms_norm_eps),
+        value_norm=True, shared_key_value=shared,
+        sliding_window=None if window is None else int(window),
+    )
+    return Reading(kwargs, int(attention.hidden_size), sublayers, passengers,
+                   layer="Gemma3nHubAttention")
+
+
 READERS = {
     "LlamaAttention": _llama,
     "CachedMistralAttention": _llama,
@@ -444,4 +496,5 @@ READERS = {
     "GPTNeoXAttention": _gpt_neo_x,
     "Qwen3_5Attention": _qwen3_5,
     "FalconAttention": _falcon,
+    "Gemma3nTextAttention": _gemma3n,
 }

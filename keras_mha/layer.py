@@ -229,6 +229,10 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         last.
     """
 
+    # Whether the call takes an earlier layer's keys and values, so the
+    # constructor allows `shared_key_value=True` (keras-hub's call, in
+    # `CachedMultiHeadAttention`, does not).
+    takes_shared_key_value = True
     _config_names = _SETTINGS  # `properties.Configured.get_config`
     _config_layers = ("rotary_embedding", "input_norm", "output_norm")
 

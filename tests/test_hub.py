@@ -79,19 +79,33 @@ FAMILIES = {
                dict(head_dim=8, use_query_key_norm=True, image_size=16,
                     sliding_window_size=4,
                     use_sliding_window_attention=True)),
+    # Gemma 3n: `Dense` projections, a weightless value norm, and its last
+    # two layers reading the keys and values of the last earlier layer of
+    # their kind (its cache layout `(B, 2, K, S, H)`). Its own names.
+    "gemma3n": ("Gemma3nBackbone", "Gemma3nCausalLM", dict(
+        text_vocab_size=VOCAB, text_hidden_size=32, num_hidden_layers=4,
+        pad_token_id=0, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=[16] * 4,
+        hidden_activation="gelu_approximate",
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=4, rope_theta=10000.0, max_position_embeddings=64,
+        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=2,
+        altup_num_inputs=2, laurel_rank=1, num_kv_shared_layers=2)),
 }
+# The families whose extra config is the whole config (their own names).
+WHOLE_CONFIGS = ("gemma3n",)
 
 
 def _model(family, seed=0):
     backbone_name, lm_name, extra = FAMILIES[family]
     backbone_class = getattr(keras_hub.models, backbone_name)
     parameters = inspect.signature(backbone_class.__init__).parameters
-    sizes = dict(SIZES)
-    if "num_query_heads" not in parameters:  # SmolLM3's and BLOOM's names
+    sizes = {} if family in WHOLE_CONFIGS else dict(SIZES)
+    if "num_query_heads" not in parameters and sizes:  # SmolLM3's, BLOOM's
         heads = sizes.pop("num_query_heads")
         sizes["num_attention_heads" if "num_attention_heads" in parameters
               else "num_heads"] = heads
-    if "num_key_value_heads" not in parameters:
+    if "num_key_value_heads" not in parameters and sizes:
         del sizes["num_key_value_heads"]
     backbone = backbone_class(**sizes, **extra)
     rng = np.random.default_rng(seed)
@@ -107,10 +121,16 @@ def _attention(block):
                 if getattr(block, name, None) is not None)
 
 
+def _blocks(model):
+    """The decoder blocks (Gemma 3n's are its text model's)."""
+    backbone = model.backbone
+    return getattr(backbone, "language_model", backbone).transformer_layers
+
+
 def _softmax_blocks(model):
     """The blocks that hold softmax attention (Qwen3.5's others hold
     linear attention)."""
-    return [block for block in model.backbone.transformer_layers
+    return [block for block in _blocks(model)
             if any(getattr(block, name, None) is not None
                    for name in hub._BLOCK_ATTRIBUTES)]
 
@@ -136,11 +156,12 @@ def _inputs():
 
 
 def _generate(model, inputs):
-    """Greedy tokens. Gemma 3's `generate` cannot take token ids without a
-    preprocessor in keras-hub 0.32; its `generate_step`, which `generate`
-    compiles, can."""
+    """Greedy tokens. Gemma 3's and Gemma 3n's `generate` cannot take token
+    ids without a preprocessor in keras-hub 0.32; their `generate_step`,
+    which `generate` compiles, can."""
     model.compile(sampler="greedy")
-    if isinstance(model, keras_hub.models.Gemma3CausalLM):
+    if isinstance(model, (keras_hub.models.Gemma3CausalLM,
+                          keras_hub.models.Gemma3nCausalLM)):
         return to_numpy(model.generate_step(dict(inputs),
                                             stop_token_ids=None)["token_ids"])
     return model.generate(inputs, stop_token_ids=None)["token_ids"]
@@ -161,7 +182,7 @@ def _assert_logits_close(got, want):
 # held by the layer itself (gpt-oss), `Dense` projections (SmolLM3), an
 # output `Dense` under our own private name (BLOOM).
 NAMINGS = ["llama", "mixtral", "qwen3", "gemma3", "gpt_oss", "smollm3",
-           "bloom", "gpt_neo_x", "qwen3_5", "falcon"]
+           "bloom", "gpt_neo_x", "qwen3_5", "falcon", "gemma3n"]
 # keras-hub's GPT-NeoX rotates a decoding step's query at position 0, so
 # its `generate` is not its own full pass's greedy decoding; the swapped
 # model's is (`test_gpt_neo_x_steps_are_its_full_pass`).
@@ -248,32 +269,53 @@ def test_a_fused_projection_runs_once_a_call(monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family",
+                         ["mistral", "gemma2", "gemma3", "gpt_oss", "gemma3n"])
 def test_masks_are_structure(family, monkeypatch):
     """Without a cache a swapped block builds no dense mask: the layer is
     called causal with the padding, and a windowed layer's path at a long
-    sequence is the banded one, O(T·w)."""
+    sequence is the banded one, O(T·w). Gemma 3n's layers that read an
+    earlier layer's keys and values too."""
     model, inputs = _model(family), _inputs()
     want = _logits(model, inputs)
     keras_mha.adopt(model)
     seen = []
-    call = hub.HubAttention.call
+    cls = type(_attention(_blocks(model)[0]))
+    call = cls.call
 
     def spy(self, *args, **kwargs):
         seen.append((kwargs.get("causal"), kwargs.get("attention_mask")))
         return call(self, *args, **kwargs)
 
-    monkeypatch.setattr(hub.HubAttention, "call", spy)
+    monkeypatch.setattr(cls, "call", spy)
     _assert_logits_close(_logits(model, inputs), want)
-    assert len(seen) == SIZES["num_layers"]
+    assert len(seen) == len(_blocks(model))
     assert all(causal and mask is None for causal, mask in seen)
-    windowed = [_attention(b) for b in model.backbone.transformer_layers
+    windowed = [_attention(b) for b in _blocks(model)
                 if _attention(b).sliding_window is not None]
     assert windowed
     shape = (1, 4096, SIZES["hidden_dim"])
     for layer in windowed:
         assert layer.attention_path(shape, shape, use_causal_mask=True,
                                     key_mask=True) == "banded"
+
+
+def test_gemma3n_results():
+    """A swapped Gemma 3n layer returns `(output, None, cache)`: no
+    weights (keras-hub's block never reads them); without a cache, its
+    keys and values `(B, 2, K, T, H)`, which a shared layer reads as its
+    cache and returns unchanged."""
+    model = keras_mha.adopt(_model("gemma3n"))
+    source, shared = (_attention(_blocks(model)[i]) for i in (0, 2))
+    assert shared.key_value_source == 0
+    x = np.random.default_rng(2).normal(size=(2, LENGTH, 32)).astype(
+        "float32")
+    output, weights, cache = source(x, None)
+    assert weights is None and tuple(cache.shape) == (2, 2, 2, LENGTH, 8)
+    mask = np.tril(np.ones((LENGTH, LENGTH), bool))[None].repeat(2, 0)
+    output, weights, returned = shared(x, mask, cache=cache)
+    assert weights is None and returned is cache
+    assert tuple(output.shape) == (2, LENGTH, 32)
 
 
 def test_generate_traces_as_often_as_keras_hubs(monkeypatch):
@@ -307,15 +349,28 @@ def test_generate_traces_as_often_as_keras_hubs(monkeypatch):
     assert counts.get("ours", 0) == counts.get("theirs", 0), counts
 
 
+# keras-hub's own Gemma 3n, saved and loaded, holds state outside its
+# weights: two loads of one file give different logits on JAX and
+# TensorFlow. Its loaded weights are compared instead.
+LOADS_OTHER_STATE = ("gemma3n",)
+
+
 @pytest.mark.parametrize("family", NAMINGS)
 def test_save_and_load(family, tmp_path):
     """The saved model's weights sit at keras-hub's paths: it loads as
-    keras-hub's model, computing the same."""
+    keras-hub's model, computing the same (holding the same weights)."""
     model, inputs = _model(family), _inputs()
     keras_mha.adopt(model)
     path = str(tmp_path / "model.keras")
     model.save(path)
     loaded = keras.saving.load_model(path)
+    if family in LOADS_OTHER_STATE:
+        want = {w.path: to_numpy(w) for w in model.weights}
+        got = {w.path: to_numpy(w) for w in loaded.weights}
+        assert sorted(got) == sorted(want)
+        for name, value in want.items():
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
+        return
     _assert_logits_close(_logits(loaded, inputs), _logits(model, inputs))
 
 
@@ -355,7 +410,7 @@ def test_model_quantize_int8(family):
 
 
 @pytest.mark.training
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3n"])
 def test_a_training_step(family):
     """One SGD step of the swapped model updates every weight as the
     unswapped model's step does (the swapped blocks attend through the
@@ -386,9 +441,10 @@ def test_lora(family):
     model, inputs = _model(family), _inputs()
     want = _logits(model, inputs)
     keras_mha.adopt(model)
-    # keras-hub's default targets are `query` and `value`; SmolLM3's
-    # projections are `q_proj` and `v_proj`, GPT-NeoX's `query_key_value`.
-    targets = {"smollm3": ["q_proj", "v_proj"],
+    # keras-hub's default targets are `query` and `value`; SmolLM3's and
+    # Gemma 3n's projections are `q_proj` and `v_proj`, GPT-NeoX's
+    # `query_key_value`.
+    targets = {"smollm3": ["q_proj", "v_proj"], "gemma3n": ["q_proj", "v_proj"],
                "gpt_neo_x": ["query_key_value"]}.get(family)
     model.backbone.enable_lora(rank=2, target_layer_names=targets)
     names = [w.path for w in model.trainable_weights]

@@ -3,7 +3,6 @@ sharing, `keras_mha.sharing`): the layer built with
 `shared_key_value=True` and the call arguments `shared_key_value` and
 `return_key_value`."""
 
-import inspect
 
 import keras
 
@@ -17,8 +16,7 @@ def shared_key_value(layer, value):
     """The constructor's `shared_key_value`: a bool, `True` only for a
     layer whose call takes the shared keys and values."""
     value = boolean("shared_key_value", value)
-    if value and "shared_key_value" not in inspect.signature(
-            layer.call).parameters:
+    if value and not type(layer).takes_shared_key_value:
         raise ValueError(
             f"`{type(layer).__name__}` keeps keras-hub's call, which takes "
             "no shared keys and values; build a "
