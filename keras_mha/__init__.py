@@ -31,7 +31,7 @@ _EXPORTS = {
     "CachedMultiHeadAttention": "keras_mha.cached",
     "ContextParallel": "keras_mha.distribution",
     "GroupedQueryAttention": "keras_mha.grouped",
-    "HubAttention": "keras_mha.hub",
+    "HubAttention": "keras_mha.hub_layer",
     "MultiHeadAttention": "keras_mha.layer",
     "MultiHeadLatentAttention": "keras_mha.latent",
     "RotaryEmbedding": "keras_mha.rotary",
@@ -60,7 +60,7 @@ if typing.TYPE_CHECKING:  # for static readers: type checkers, the API docs
     from keras_mha.convert import from_torch
     from keras_mha.distribution import layout_map
     from keras_mha.grouped import GroupedQueryAttention
-    from keras_mha.hub import HubAttention
+    from keras_mha.hub_layer import HubAttention
     from keras_mha.hub import adopt
     from keras_mha.latent import MultiHeadLatentAttention
     from keras_mha.layer import MultiHeadAttention

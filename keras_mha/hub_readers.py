@@ -1,149 +1,28 @@
 """How `adopt` reads each keras-hub attention class: one reader per family,
-keyed by class name in `READERS`, and the views through which the layer
-uses keras-hub's own sublayers where their shapes are not the layer's.
+keyed by class name in `READERS`.
 
 A reader returns a `Reading`: the `HubAttention` arguments (heads, rotary
 embedding, scale, norms, window, sinks, soft-cap) and keras-hub's built
 sublayers, taken over as they are (nothing is copied). A sublayer whose
 shapes are not the layer's (a `Dense` of `N·H` features, GPT-NeoX's fused
 query-key-value projection, a rotary layer that returns tables) is used
-through a view that holds the same object, so LoRA, int8 quantization and
-layout maps act on it as before.
+through a view that holds the same object (`hub_views.py`), so LoRA, int8
+quantization and layout maps act on it as before.
 
 Nothing here imports keras-hub: the layers read come from it.
 """
 
 import dataclasses
 
-import keras
 from keras import ops
 
 from keras_mha import projections
-from keras_mha import rotary as rotary_lib
+from keras_mha.hub_views import FusedProjection
+from keras_mha.hub_views import HalvesRotation
+from keras_mha.hub_views import HeadsOfDense
+from keras_mha.hub_views import HeadsOfFused
+from keras_mha.hub_views import RotationFromTables
 from keras_mha.rotary import RotaryEmbedding
-
-
-class HeadsOfDense(keras.layers.Layer):
-    """keras-hub's `Dense` seen as a projection of heads: into them, `(B,
-    T, E)` to `(B, T, N, H)` (SmolLM3's `(E, N·H)` query, key and value),
-    or with `merge=True` out of them, `(B, T, N, H)` to `(B, T, E)`
-    (BLOOM's `(N·H, E)` output). The `Dense` is the same object, so LoRA
-    and quantization act on it as before, and the view saves and loads
-    the `Dense`'s weights as its own, where keras-hub's layer kept them."""
-
-    def __init__(self, dense, num_heads, merge=False, **kwargs):
-        super().__init__(name=f"{dense.name}_heads",
-                         dtype=dense.dtype_policy, **kwargs)
-        self.dense = dense
-        self.num_heads = num_heads
-        self.merge = merge
-        self.built = True
-
-    def call(self, inputs):
-        if self.merge:
-            return self.dense(ops.reshape(inputs, (*ops.shape(inputs)[:-2], -1)))
-        x = self.dense(inputs)
-        return ops.reshape(x, (*ops.shape(x)[:-1], self.num_heads, -1))
-
-    def __dir__(self):
-        # Keras saves the sublayers it finds in `dir`: the `Dense`'s
-        # weights are this layer's own (below), not a sublayer's.
-        return [n for n in super().__dir__() if n != "dense"]
-
-    def save_own_variables(self, store):
-        self.dense.save_own_variables(store)
-
-    def load_own_variables(self, store):
-        self.dense.load_own_variables(store)
-
-
-class RotationFromTables(keras.layers.Layer):
-    """RoPE at the frequencies of keras-hub's rotary layer `source` (SmolLM3's,
-    whose call returns tables, not rotated heads): pairs `(i, i + H/2)` of
-    whole heads turned by `p·inv_freq`, at positions `start_index + t` or
-    `positions`; with `turns=False` (a NoPE layer, which holds the rotary
-    layer all the same), none. Its weight is `source`'s `inv_freq`
-    `(H/2,)`, the same variable, so it saves where keras-hub's layer saved
-    it."""
-
-    def __init__(self, source, turns=True, **kwargs):
-        super().__init__(name=source.name, dtype=source.dtype_policy,
-                         autocast=False, **kwargs)
-        self.inv_freq = source.inv_freq  # tracked as the layer's weight
-        self.turns = turns
-        self.built = True
-
-    def call(self, inputs, start_index=0, positions=None):
-        if not self.turns:
-            return inputs
-        return rotary_lib.turn(
-            inputs, rotary_lib.positions_of(inputs, start_index, positions),
-            ops.cast(self.inv_freq, "float32"), inputs.shape[-1])
-
-
-class HeadsOfFused(keras.layers.Layer):
-    """One part of keras-hub's fused projection `dense` `(E, N, P·H)`,
-    each head's features the parts in turn: GPT-NeoX's `query_key_value`
-    (`[query | key | value]`), Qwen3.5's query (`[query | gate]`). Heads
-    `(B, T, N, H)`, the `part`'s `H` of each head's, through `activation`
-    if given (the gate's sigmoid). A layer's views of one `dense` share
-    one `FusedProjection`, which projects a call's input once for all
-    (the layer projects the parts of one input in turn). The `dense` is
-    keras-hub's, saved where keras-hub's layer saved it: by the view that
-    sits at keras-hub's attribute (`saves_dense`, Qwen3.5's query), else
-    under keras-hub's name beside the views (GPT-NeoX's)."""
-
-    saves_dense = False  # set by `HubAttention._present_as`
-
-    def __init__(self, fused, part, activation=None, **kwargs):
-        super().__init__(name=f"{fused.dense.name}_{part}",
-                         dtype=fused.dense.dtype_policy, **kwargs)
-        self.dense = fused.dense  # tracked: `projections.quantize` finds it
-        self._fused = fused
-        self.part = part
-        self.activation = activation
-        self.built = True
-
-    def call(self, inputs):
-        heads = self._fused.project(inputs, self.part)
-        return heads if self.activation is None else self.activation(heads)
-
-    def __dir__(self):
-        return [n for n in super().__dir__() if n != "dense"]
-
-    def save_own_variables(self, store):
-        if self.saves_dense:
-            self.dense.save_own_variables(store)
-
-    def load_own_variables(self, store):
-        if self.saves_dense:
-            self.dense.load_own_variables(store)
-
-
-class FusedProjection:
-    """keras-hub's fused `(E, N, P·H)` projection of the `parts` (names),
-    run once per input for its views: the output of the input last
-    projected is kept until each part has been read from it once, then
-    dropped, so a later call (new weights, a new trace) projects again."""
-
-    def __init__(self, dense, head_dim, parts):
-        self.dense = dense
-        self.head_dim = head_dim
-        self.parts = tuple(parts)
-        self._input = self._output = None
-        self._read = set()
-
-    def project(self, inputs, part):
-        if self._input is not inputs or part in self._read:
-            self._input, self._output = inputs, self.dense(inputs)
-            self._read = set()
-        self._read.add(part)
-        index = self.parts.index(part)
-        heads = self._output[..., index * self.head_dim:
-                             (index + 1) * self.head_dim]
-        if len(self._read) == len(self.parts):
-            self._input = self._output = None
-        return heads
 
 
 @dataclasses.dataclass
@@ -163,7 +42,8 @@ class Reading:
             an earlier layer's keys and values), so the model's weights and
             saved files stay keras-hub's.
         layer: the class `adopt` builds (`hub.LAYERS`): `"HubAttention"`,
-            or `"Gemma3nHubAttention"` for Gemma 3n's call and cache.
+            or `"Gemma3nHubAttention"`, `"Gemma4HubAttention"` for those
+            models' calls and caches.
     """
 
     kwargs: dict
@@ -479,6 +359,54 @@ def _gemma3n(attention, name):
                    layer="Gemma3nHubAttention")
 
 
+def _gemma4(attention, name):
+    """Gemma 4: projections `(N, E, H)` (Gemma's), per-head query/key norms
+    (called as they are), values normalized without weights, keras-hub's
+    rotary layer turning the first part of each half of a head
+    (`HalvesRotation`, at the block's `positions`), a logit scale of 1,
+    the soft-cap, the sliding layers' window. Each layer's own heads and
+    head size; on a global layer with `attention_k_eq_v` the values are
+    the key projection's (the same `EinsumDense`, taken over for both).
+    Its last layers read an earlier layer's keys and values (`shared_kv`)
+    and hold no projections of their own."""
+    if attention.use_bidirectional_attention:
+        raise ValueError(
+            f"The {name} attends both ways (an embedding model), which "
+            "`adopt` does not read. Received: "
+            "use_bidirectional_attention=True")
+    shared = bool(attention.is_kv_shared_layer)
+    sublayers = _sublayers(attention, query=("query_dense",),
+                           output=("output_dense",),
+                           query_norm=("query_norm",))
+    if not shared:
+        sublayers.update(_sublayers(attention, key=("key_dense",),
+                                    key_norm=("key_norm",)))
+        sublayers["value"] = next(
+            (theirs, getattr(attention, theirs))
+            for theirs in ("value_dense", "key_dense")
+            if getattr(attention, theirs, None) is not None)
+    rotation = HalvesRotation(attention.rope_layer, attention.rotary_dim,
+                              attention.head_dim)
+    sublayers["rotary_embedding"] = ("rope_layer", rotation)
+    window = None
+    if attention.use_sliding_window_attention and \
+            not attention.is_global_attention:
+        window = int(attention.sliding_window_size)
+    kwargs = dict(
+        num_heads=int(attention.num_query_heads),
+        key_dim=int(attention.head_dim),
+        num_key_value_heads=int(attention.effective_num_kv_heads),
+        use_bias=False, dropout=float(attention.dropout or 0.0),
+        rotary_embedding=rotation, scale=1.0,
+        attn_logits_soft_cap=attention.logit_soft_cap, qk_norm="rms",
+        qk_norm_epsilon=float(attention.layer_norm_epsilon),
+        value_norm=True, shared_key_value=shared, sliding_window=window,
+    )
+    hidden_size = int(sublayers["query"][1].kernel.shape[1])
+    return Reading(kwargs, hidden_size, sublayers,
+                   layer="Gemma4HubAttention")
+
+
 READERS = {
     "LlamaAttention": _llama,
     "CachedMistralAttention": _llama,
@@ -497,4 +425,5 @@ READERS = {
     "Qwen3_5Attention": _qwen3_5,
     "FalconAttention": _falcon,
     "Gemma3nTextAttention": _gemma3n,
+    "Gemma4TextAttention": _gemma4,
 }

@@ -91,9 +91,21 @@ FAMILIES = {
         sliding_window=4, rope_theta=10000.0, max_position_embeddings=64,
         vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=2,
         altup_num_inputs=2, laurel_rank=1, num_kv_shared_layers=2)),
+    # Gemma 4: a wider global layer with one key/value head whose keys are
+    # its values, rotating the first half of each half of a head; its last
+    # two layers reading an earlier layer's keys and values.
+    "gemma4": ("Gemma4Backbone", "Gemma4CausalLM", dict(
+        vocabulary_size=VOCAB, num_layers=4, num_query_heads=4,
+        num_key_value_heads=2, hidden_dim=32, intermediate_dim=16,
+        head_dim=8, global_head_dim=16, sliding_window_size=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2, num_global_key_value_heads=1,
+        global_rope_partial_rotary_factor=0.5, image_size=16)),
 }
 # The families whose extra config is the whole config (their own names).
-WHOLE_CONFIGS = ("gemma3n",)
+WHOLE_CONFIGS = ("gemma3n", "gemma4")
+# The families whose backbone takes `position_ids`.
+TAKE_POSITIONS = ("gemma4",)
 
 
 def _model(family, seed=0):
@@ -144,24 +156,30 @@ def _query_kernel(attention):
     return getattr(layer, "dense", layer).kernel
 
 
-def _inputs():
-    """Two prompts of 5 and 3 tokens, padded to `LENGTH`."""
+def _inputs(family=None):
+    """Two prompts of 5 and 3 tokens, padded to `LENGTH`; Gemma 4's
+    backbone also takes each token's position."""
     rng = np.random.default_rng(1)
     ids = np.zeros((2, LENGTH), "int32")
     mask = np.zeros((2, LENGTH), bool)
     for row, length in enumerate((5, 3)):
         ids[row, :length] = rng.integers(3, VOCAB, length)
         mask[row, :length] = True
-    return {"token_ids": ids, "padding_mask": mask}
+    inputs = {"token_ids": ids, "padding_mask": mask}
+    if family in TAKE_POSITIONS:
+        inputs["position_ids"] = np.broadcast_to(
+            np.arange(LENGTH, dtype="int32"), ids.shape).copy()
+    return inputs
 
 
 def _generate(model, inputs):
-    """Greedy tokens. Gemma 3's and Gemma 3n's `generate` cannot take token
+    """Greedy tokens. Gemma 3's, 3n's and 4's `generate` cannot take token
     ids without a preprocessor in keras-hub 0.32; their `generate_step`,
     which `generate` compiles, can."""
     model.compile(sampler="greedy")
     if isinstance(model, (keras_hub.models.Gemma3CausalLM,
-                          keras_hub.models.Gemma3nCausalLM)):
+                          keras_hub.models.Gemma3nCausalLM,
+                          keras_hub.models.Gemma4CausalLM)):
         return to_numpy(model.generate_step(dict(inputs),
                                             stop_token_ids=None)["token_ids"])
     return model.generate(inputs, stop_token_ids=None)["token_ids"]
@@ -182,7 +200,7 @@ def _assert_logits_close(got, want):
 # held by the layer itself (gpt-oss), `Dense` projections (SmolLM3), an
 # output `Dense` under our own private name (BLOOM).
 NAMINGS = ["llama", "mixtral", "qwen3", "gemma3", "gpt_oss", "smollm3",
-           "bloom", "gpt_neo_x", "qwen3_5", "falcon", "gemma3n"]
+           "bloom", "gpt_neo_x", "qwen3_5", "falcon", "gemma3n", "gemma4"]
 # keras-hub's GPT-NeoX rotates a decoding step's query at position 0, so
 # its `generate` is not its own full pass's greedy decoding; the swapped
 # model's is (`test_gpt_neo_x_steps_are_its_full_pass`).
@@ -196,7 +214,8 @@ def _greedy(model, inputs):
     for t in range(1, LENGTH):
         rows = ~mask[:, t]
         if rows.any():
-            logits = to_numpy(model({"token_ids": ids, "padding_mask": mask}))
+            logits = to_numpy(model(dict(inputs, token_ids=ids,
+                                         padding_mask=mask)))
             ids[rows, t] = logits[rows, t - 1].argmax(-1)
             mask[rows, t] = True
     return ids
@@ -206,7 +225,7 @@ def _greedy(model, inputs):
 def test_logits_generate_and_weights(family):
     """The same logits and greedy tokens after the swap, on the same
     weight variables; a second `adopt` changes nothing."""
-    model, inputs = _model(family), _inputs()
+    model, inputs = _model(family), _inputs(family)
     want_logits = _logits(model, inputs)
     want = (_greedy(model, inputs) if family in STEPS_AT_ZERO
             else _generate(model, inputs))
@@ -269,14 +288,14 @@ def test_a_fused_projection_runs_once_a_call(monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("family",
-                         ["mistral", "gemma2", "gemma3", "gpt_oss", "gemma3n"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "gpt_oss",
+                                    "gemma3n", "gemma4"])
 def test_masks_are_structure(family, monkeypatch):
     """Without a cache a swapped block builds no dense mask: the layer is
     called causal with the padding, and a windowed layer's path at a long
     sequence is the banded one, O(T·w). Gemma 3n's layers that read an
     earlier layer's keys and values too."""
-    model, inputs = _model(family), _inputs()
+    model, inputs = _model(family), _inputs(family)
     want = _logits(model, inputs)
     keras_mha.adopt(model)
     seen = []
@@ -316,6 +335,18 @@ def test_gemma3n_results():
     output, weights, returned = shared(x, mask, cache=cache)
     assert weights is None and returned is cache
     assert tuple(output.shape) == (2, LENGTH, 32)
+
+
+def test_gemma4_positions():
+    """A swapped Gemma 4 turns each token at the `position_ids` its
+    backbone is given, as keras-hub's layers do, not at its index."""
+    model, inputs = _model("gemma4"), _inputs("gemma4")
+    inputs["position_ids"] = inputs["position_ids"] * 2  # not a shift
+    want = _logits(model, inputs)
+    at_index = _logits(model, _inputs("gemma4"))
+    assert np.abs(want - at_index).max() > 1e-3 * np.abs(want).max()
+    keras_mha.adopt(model)
+    _assert_logits_close(_logits(model, inputs), want)
 
 
 def test_generate_traces_as_often_as_keras_hubs(monkeypatch):
@@ -359,7 +390,7 @@ LOADS_OTHER_STATE = ("gemma3n",)
 def test_save_and_load(family, tmp_path):
     """The saved model's weights sit at keras-hub's paths: it loads as
     keras-hub's model, computing the same (holding the same weights)."""
-    model, inputs = _model(family), _inputs()
+    model, inputs = _model(family), _inputs(family)
     keras_mha.adopt(model)
     path = str(tmp_path / "model.keras")
     model.save(path)
@@ -397,7 +428,7 @@ def test_model_quantize_int8(family):
     the layer took over, through its views (GPT-NeoX's fused one, Falcon's
     output `Dense`), and gives what keras-hub's quantized model gives,
     which is not the float model's."""
-    model, twin, inputs = _model(family), _model(family), _inputs()
+    model, twin, inputs = _model(family), _model(family), _inputs(family)
     floats = _logits(twin, inputs)
     keras_mha.adopt(model)
     for each in (model, twin):
@@ -410,12 +441,12 @@ def test_model_quantize_int8(family):
 
 
 @pytest.mark.training
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3n"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3n", "gemma4"])
 def test_a_training_step(family):
     """One SGD step of the swapped model updates every weight as the
     unswapped model's step does (the swapped blocks attend through the
     layer's own paths, without dense masks)."""
-    inputs = _inputs()
+    inputs = _inputs(family)
     labels = np.roll(inputs["token_ids"], -1, axis=1)
     weights = []
     for swap in (False, True):
@@ -438,7 +469,7 @@ def test_a_training_step(family):
 @pytest.mark.training
 @pytest.mark.parametrize("family", NAMINGS)
 def test_lora(family):
-    model, inputs = _model(family), _inputs()
+    model, inputs = _model(family), _inputs(family)
     want = _logits(model, inputs)
     keras_mha.adopt(model)
     # keras-hub's default targets are `query` and `value`; SmolLM3's and

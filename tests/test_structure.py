@@ -407,7 +407,7 @@ def test_the_package_loads_its_names_on_first_use():
         "CachedMultiHeadAttention": "keras_mha.cached",
         "ContextParallel": "keras_mha.distribution",
         "GroupedQueryAttention": "keras_mha.grouped",
-        "HubAttention": "keras_mha.hub",
+        "HubAttention": "keras_mha.hub_layer",
         "MultiHeadAttention": "keras_mha.layer",
         "MultiHeadLatentAttention": "keras_mha.latent",
         "RotaryEmbedding": "keras_mha.rotary",
