@@ -327,23 +327,15 @@ def _portable_core(query, key, value, mask, spec, band, keep=None):
     q = ops.reshape(q, rows + (head,))  # (c, B, K, M, b·G, H)
     k = _chunk_windows(_frame(key, band), band)  # (c, B, K, M+L+R, b, H)
     v = _chunk_windows(_frame(value, band), band)  # (c, B, K, M+L+R, b, V)
-    # The mask as an additive bias (0 or MASKED_LOGIT), built once: a sum,
-    # unlike a select, lets XLA's CPU backend (JAX) fuse the two products
-    # and the softmax between them into one kernel that never writes the
-    # scores (a select splits them into three, with the scores written
-    # between). The sum is the select's value: `s + MASKED_LOGIT` rounds to
-    # MASKED_LOGIT for any logit below 1e22.
-    mask_bias = ops.where(
-        mask, ops.zeros((), q.dtype), ops.cast(logits.MASKED_LOGIT, q.dtype)
-    )
-    mask_bias = ops.reshape(mask_bias, (-1, c, chunk_blocks, b, band.span))
-    if groups > 1:
-        # Row r·G + g reads row r.
-        mask_bias = ops.repeat(mask_bias, groups, axis=3)
-    mask_bias = ops.transpose(mask_bias, (1, 0, 2, 3, 4))[:, :, None]
-    # mask_bias: (c, B|1, 1, M, b·G, span)
+    # The mask enters the loop as booleans, one per query and key of the
+    # band, and each chunk turns its own into a bias: built here as a
+    # float bias repeated for the `G` rows of a group, it would be `4·G`
+    # times larger, and autodiff keeps the loop's inputs for the backward.
+    mask = ops.reshape(mask, (-1, c, chunk_blocks, b, band.span))
+    mask = ops.transpose(mask, (1, 0, 2, 3, 4))[:, :, None]
+    # mask: (c, B|1, 1, M, b, span)
 
-    inputs = (q, k, v, mask_bias)
+    inputs = (q, k, v, mask)
     if keep is not None:
         inputs += (ops.reshape(keep, rows + (band.span,)),)
     # What every chunk reads whole: ALiBi's term and the sinks (zeros when
@@ -410,7 +402,7 @@ def _chunk_attention(band, rate, soft_cap, use_alibi, use_sinks,
     """
 
     def attend(carry, inputs):
-        q_c, k_c, v_c, mask_bias_c = inputs[:4]
+        q_c, k_c, v_c, mask_c = inputs[:4]
         alibi, sinks = carry
         k_c = _chunk_spans(k_c, band)  # (B, K, M, span, H)
         v_c = _chunk_spans(v_c, band)  # (B, K, M, span, V)
@@ -419,7 +411,19 @@ def _chunk_attention(band, rate, soft_cap, use_alibi, use_sinks,
         scores = logits.soft_cap(scores, soft_cap)
         if use_alibi:
             scores = ops.add(scores, alibi)
-        scores = ops.add(scores, mask_bias_c)
+        # The mask as an additive bias (0 or MASKED_LOGIT): a sum, unlike
+        # a select, lets XLA's CPU backend (JAX) fuse the two products and
+        # the softmax between them into one kernel that never writes the
+        # scores (a select splits them into three, with the scores written
+        # between). The sum is the select's value: `s + MASKED_LOGIT`
+        # rounds to MASKED_LOGIT for any logit below 1e22.
+        mask_bias = ops.where(mask_c, ops.zeros((), scores.dtype),
+                              ops.cast(logits.MASKED_LOGIT, scores.dtype))
+        groups = q_c.shape[-2] // band.block
+        if groups > 1:  # row r·G + g reads row r
+            mask_bias = ops.repeat(mask_bias, groups, axis=-2)
+        # mask_bias: (B|1, 1, M, b·G, span)
+        scores = ops.add(scores, mask_bias)
         # The softmax with its division deferred to the output, `(b·G, V)`
         # per block instead of `(b·G, span)`. A row with no allowed key is
         # uniform (or all on its sink) here; the caller zeroes it.
