@@ -13,6 +13,15 @@ first step compiles and is not timed; the median of `--steps` more is
 printed, with the process's peak resident memory. Run each side in its
 own process, on an idle machine, and compare.
 
+    python -m benchmarks.hub --length 4096 --generate 256
+    python -m benchmarks.hub --length 4096 --generate 256 --keras-hub
+
+time greedy decoding after a prompt of `--length` tokens: `generate_step`
+(compiled as keras-hub compiles it) to `length + 1` tokens and to `length
++ N`, the median of `--steps` runs of each after one that compiles; a new
+token's time is their difference over `N - 1`, so the prompt's prefill
+is not counted.
+
     python -m benchmarks.hub --swap-time
 
 times `adopt` itself on a 26-layer backbone shaped as Gemma 3 1B (hidden
@@ -74,6 +83,31 @@ def swap_time():
     print(f"adopt, 26 layers: {time.perf_counter() - start:.3f} s")
 
 
+def generate_time(causal_lm, length, new_tokens, runs):
+    """Seconds per new token of greedy decoding after a prompt of
+    `length` tokens (the module's docstring)."""
+    import keras
+
+    prompt = np.random.default_rng(0).integers(3, VOCAB, size=length)
+    causal_lm.compile(sampler="greedy")
+
+    def median_run(total):
+        ids = np.zeros((1, total), "int32")
+        ids[0, :length] = prompt
+        inputs = {"token_ids": ids, "padding_mask": ids > 0}
+        causal_lm.generate_step(dict(inputs), stop_token_ids=None)
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            out = causal_lm.generate_step(dict(inputs), stop_token_ids=None)
+            keras.ops.convert_to_numpy(out["token_ids"])  # waits for it
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    one, many = median_run(length + 1), median_run(length + new_tokens)
+    return (many - one) / (new_tokens - 1)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=4096)
@@ -84,11 +118,27 @@ def main(argv=None):
                         help="train eagerly (`jit_compile=False`)")
     parser.add_argument("--swap-time", action="store_true",
                         help="time `adopt` on a 26-layer backbone")
+    parser.add_argument("--generate", type=int, default=0, metavar="N",
+                        help="time greedy decoding of N new tokens after "
+                        "the prompt (N >= 2)")
     args = parser.parse_args(argv)
     import keras
 
     if args.swap_time:
         return swap_time()
+    side = "keras-hub" if args.keras_hub else "swapped"
+    if args.generate:
+        if args.generate < 2:
+            parser.error(f"--generate must be at least 2. Received: "
+                         f"{args.generate}")
+        causal_lm = model(swapped=not args.keras_hub)
+        seconds = generate_time(causal_lm, args.length, args.generate,
+                                args.steps)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        print(f"{keras.backend.backend()} {side} prompt={args.length}: "
+              f"{seconds * 1e3:.2f} ms a new token "
+              f"({args.generate} new tokens), peak {peak:.2f} GiB")
+        return None
 
     tokens = np.random.default_rng(0).integers(
         3, VOCAB, size=(1, args.length + 1))
@@ -105,7 +155,6 @@ def main(argv=None):
         causal_lm.train_on_batch(inputs, tokens[:, 1:])
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB
-    side = "keras-hub" if args.keras_hub else "swapped"
     print(f"{keras.backend.backend()} {side} T={args.length}: "
           f"first step {first:.2f} s, median step "
           f"{statistics.median(times):.3f} s, peak {peak:.2f} GiB")

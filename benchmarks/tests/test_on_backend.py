@@ -500,6 +500,19 @@ def test_hub_times_a_swapped_step(capsys):
                for b in blocks)
 
 
+def test_hub_times_a_new_token(capsys):
+    """`python -m benchmarks.hub --generate N`: greedy decoding after a
+    prompt, a new token's time printed; fewer than 2 new tokens is a
+    usage error."""
+    pytest.importorskip("keras_hub")
+    hub.main(["--length", "8", "--generate", "3", "--steps", "1"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"{BACKEND} swapped prompt=8: ")
+    assert "ms a new token (3 new tokens)" in line
+    with pytest.raises(SystemExit):
+        hub.main(["--generate", "1"])
+
+
 # ------------------------------------------------------------ latent
 
 
