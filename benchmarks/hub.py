@@ -16,8 +16,8 @@ own process, on an idle machine, and compare.
     python -m benchmarks.hub --length 4096 --generate 256
     python -m benchmarks.hub --length 4096 --generate 256 --keras-hub
 
-time greedy decoding after a prompt of `--length` tokens: `generate_step`
-(compiled as keras-hub compiles it) to `length + 1` tokens and to `length
+time greedy decoding after a prompt of `--length` tokens: `generate`'s
+function (compiled as keras-hub compiles it) to `length + 1` tokens and to `length
 + N`, the median of `--steps` runs of each after one that compiles; a new
 token's time is their difference over `N - 1`, so the prompt's prefill
 is not counted.
@@ -90,16 +90,19 @@ def generate_time(causal_lm, length, new_tokens, runs):
 
     prompt = np.random.default_rng(0).integers(3, VOCAB, size=length)
     causal_lm.compile(sampler="greedy")
+    # What `generate` runs: `jax.jit`, `tf.function(jit_compile=True)`,
+    # torch under `no_grad`.
+    generate = causal_lm.make_generate_function()
 
     def median_run(total):
         ids = np.zeros((1, total), "int32")
         ids[0, :length] = prompt
         inputs = {"token_ids": ids, "padding_mask": ids > 0}
-        causal_lm.generate_step(dict(inputs), stop_token_ids=None)
+        generate(dict(inputs), stop_token_ids=None)
         times = []
         for _ in range(runs):
             start = time.perf_counter()
-            out = causal_lm.generate_step(dict(inputs), stop_token_ids=None)
+            out = generate(dict(inputs), stop_token_ids=None)
             keras.ops.convert_to_numpy(out["token_ids"])  # waits for it
             times.append(time.perf_counter() - start)
         return statistics.median(times)

@@ -149,12 +149,39 @@ class HubAttention(CachedMultiHeadAttention):
             return self._uncached(super().call(
                 hidden_states, hidden_states, attention_mask=attention_mask,
                 training=training))
-        pair = isinstance(cache, (tuple, list))  # Gemma 3's `(keys, values)`
-        output, new = self._write_and_attend(
-            hidden_states, attention_mask,
-            ops.stack(cache, axis=1) if pair else cache, cache_update_index,
+        if isinstance(cache, (tuple, list)):  # Gemma 3's `(keys, values)`
+            return self._write_pair(hidden_states, attention_mask, cache,
+                                    cache_update_index, cache_update_mask,
+                                    training)
+        return self._write_and_attend(
+            hidden_states, attention_mask, cache, cache_update_index,
             cache_update_mask, training)
-        return output, ((new[:, 0], new[:, 1]) if pair else new)
+
+    def _write_pair(self, hidden_states, attention_mask, cache, index,
+                    update_mask, training):
+        """Gemma 3's cache, keys and values `(B, S, K, H)` apart. A step of
+        one token reads it as this library's cache `(keys, values,
+        valid)`, its mask's one row the slots' flags, so no step stacks or
+        splits it; a longer call (a prompt, whose mask may hold image
+        blocks) stacks it into keras-hub's one tensor."""
+        if index is None or hidden_states.shape[1] != 1 \
+                or attention_mask is None:
+            output, new = self._write_and_attend(
+                hidden_states, attention_mask, ops.stack(cache, axis=1),
+                index, update_mask, training)
+            return output, (new[:, 0], new[:, 1])
+        keys, values = cache
+        valid = ops.cast(attention_mask[:, -1, :], "bool")  # (B, S)
+        output, (new_keys, new_values, _) = MultiHeadAttention.call(
+            self, hidden_states, hidden_states, use_causal_mask=True,
+            cache=(keys, values, valid), cache_update_index=index,
+            training=training)
+        if update_mask is not None:
+            new_keys, new_values = (
+                _keep_unmasked(old[:, None], new[:, None], update_mask,
+                               index)[:, 0]
+                for old, new in ((keys, new_keys), (values, new_values)))
+        return output, (new_keys, new_values)
 
     def _write_and_attend(self, hidden_states, attention_mask, cache, index,
                           update_mask, training):
