@@ -10,11 +10,44 @@ import keras
 from keras import ops
 
 from keras_mha.hub_layer import HubAttention
+from keras_mha.hub_layer import mask_arguments
+from keras_mha.hub_layer import slot_flags
 from keras_mha.layer import MultiHeadAttention
 
 
+class _SharingHubAttention(HubAttention):
+    """What Gemma 3n's and Gemma 4's calls share: a call without a cache
+    returns its own keys and values, and a layer built with
+    `shared_key_value=True` reads an earlier layer's."""
+
+    takes_shared_key_value = True
+
+    def _own(self, hidden_states, mask):
+        """`(output, keys, values)` of a call without a cache, the keys and
+        values `(B, T, K, H)`."""
+        output, (keys, values) = MultiHeadAttention.call(
+            self, hidden_states, hidden_states, return_key_value=True,
+            **mask)
+        return output, keys, values
+
+    def _read_shared(self, hidden_states, mask, keys, values, index,
+                     whole):
+        """The output over an earlier layer's `keys` and `values` `(B, S,
+        K, H)`: a whole sequence's (`whole`), or a cache's slots up to the
+        call's position `index + t`, which the dense mask's flags
+        (`hub_layer.slot_flags`) mark."""
+        if whole:
+            return MultiHeadAttention.call(
+                self, hidden_states, shared_key_value=(keys, values), **mask)
+        valid = slot_flags(mask["attention_mask"], keys)
+        mask = dict(mask, attention_mask=None, use_causal_mask=True)
+        return MultiHeadAttention.call(
+            self, hidden_states, shared_key_value=(keys, values, valid),
+            cache_update_index=index, **mask)
+
+
 @keras.saving.register_keras_serializable(package="keras_mha")
-class Gemma3nHubAttention(HubAttention):
+class Gemma3nHubAttention(_SharingHubAttention):
     """Gemma 3n's attention (`Gemma3nTextAttention`), computed by this
     library: `HubAttention` with Gemma 3n's call and cache.
 
@@ -30,29 +63,17 @@ class Gemma3nHubAttention(HubAttention):
     position (`MultiHeadAttention`'s `shared_key_value`).
     """
 
-    takes_shared_key_value = True
-
     def call(self, hidden_states, attention_mask=None, cache=None,
              cache_update_index=0, cache_update_mask=None, training=None,
              causal=False, key_mask=None):
-        mask = dict(attention_mask=None if causal else attention_mask,
-                    use_causal_mask=causal, key_mask=key_mask,
-                    training=training)
+        mask = mask_arguments(attention_mask, causal, key_mask, training)
         if self.settings.shared_key_value:
             keys, values = (_slots_first(cache[:, i]) for i in (0, 1))
-            if causal:  # the whole sequence's keys and values
-                shared = dict(shared_key_value=(keys, values))
-            else:  # slots written up to the call's position
-                valid = _valid_slots(attention_mask, keys)
-                shared = dict(shared_key_value=(keys, values, valid),
-                              cache_update_index=cache_update_index)
-                mask.update(attention_mask=None, use_causal_mask=True)
-            return MultiHeadAttention.call(
-                self, hidden_states, **mask, **shared), None, cache
+            return self._read_shared(hidden_states, mask, keys, values,
+                                     cache_update_index, whole=causal), \
+                None, cache
         if cache is None:
-            output, (keys, values) = MultiHeadAttention.call(
-                self, hidden_states, hidden_states, return_key_value=True,
-                **mask)
+            output, keys, values = self._own(hidden_states, mask)
             return output, None, ops.stack(
                 (_slots_first(keys), _slots_first(values)), axis=1)
         output, new = self._write_and_attend(
@@ -78,7 +99,7 @@ class Gemma3nHubAttention(HubAttention):
 
 
 @keras.saving.register_keras_serializable(package="keras_mha")
-class Gemma4HubAttention(HubAttention):
+class Gemma4HubAttention(_SharingHubAttention):
     """Gemma 4's attention (`Gemma4TextAttention`), computed by this
     library: `HubAttention` with Gemma 4's call and cache.
 
@@ -95,22 +116,16 @@ class Gemma4HubAttention(HubAttention):
     leaves the mask as it is: the layer applies its own window.
     """
 
-    takes_shared_key_value = True
-
     def call(self, hidden_states, attention_mask=None, cache=None,
              cache_update_index=0, cache_update_mask=None, shared_kv=None,
              training=None, positions=None, causal=False, key_mask=None):
-        mask = dict(attention_mask=None if causal else attention_mask,
-                    use_causal_mask=causal, key_mask=key_mask,
-                    training=training)
+        mask = mask_arguments(attention_mask, causal, key_mask, training)
         with self.settings.rotary_embedding.at(positions):
             if self.settings.shared_key_value:
                 return self._shared(hidden_states, mask, cache,
                                     cache_update_index, shared_kv)
             if cache is None:
-                output, (keys, values) = MultiHeadAttention.call(
-                    self, hidden_states, hidden_states,
-                    return_key_value=True, **mask)
+                output, keys, values = self._own(hidden_states, mask)
                 return output, ops.stack((keys, values), axis=1)
             output, new = self._write_and_attend(
                 hidden_states, attention_mask, self._corner(cache),
@@ -126,15 +141,10 @@ class Gemma4HubAttention(HubAttention):
                 "layer's keys and values, and its block handed none. "
                 "Received: shared_kv=None")
         keys, values = (self._corner(shared_kv[:, i]) for i in (0, 1))
-        if cache is None:  # a whole sequence's keys and values
-            output = MultiHeadAttention.call(
-                self, hidden_states, shared_key_value=(keys, values), **mask)
+        output = self._read_shared(hidden_states, mask, keys, values, index,
+                                   whole=cache is None)
+        if cache is None:  # a whole sequence's: returned as its cache
             return output, ops.stack((keys, values), axis=1)
-        valid = _valid_slots(mask["attention_mask"], keys)
-        mask.update(attention_mask=None, use_causal_mask=True)
-        output = MultiHeadAttention.call(
-            self, hidden_states, shared_key_value=(keys, values, valid),
-            cache_update_index=index, **mask)
         return output, cache
 
     def _corner(self, x):
@@ -161,15 +171,6 @@ class Gemma4HubAttention(HubAttention):
             shape = cache.shape
         return (keras.KerasTensor(output, dtype=self.compute_dtype),
                 keras.KerasTensor(shape, dtype=self.compute_dtype))
-
-def _valid_slots(attention_mask, keys):
-    """The slots `(B, S)` a shared layer's cached call reads: the last
-    query's row of the block's mask (causal and padding: each earlier
-    query's row is the same up to its position, which the layer applies),
-    or every slot."""
-    if attention_mask is None:
-        return ops.ones(ops.shape(keys)[:2], "bool")
-    return ops.cast(attention_mask[:, -1, :], "bool")
 
 
 def _slots_first(x):

@@ -143,8 +143,8 @@ class HubAttention(CachedMultiHeadAttention):
             cache_update_index = None
         if causal:  # a `CausalMask`: the layer's own paths, no dense mask
             return self._uncached(MultiHeadAttention.call(
-                self, hidden_states, hidden_states, training=training,
-                key_mask=key_mask, use_causal_mask=True))
+                self, hidden_states, hidden_states,
+                **mask_arguments(attention_mask, causal, key_mask, training)))
         if cache is None:
             return self._uncached(super().call(
                 hidden_states, hidden_states, attention_mask=attention_mask,
@@ -171,7 +171,7 @@ class HubAttention(CachedMultiHeadAttention):
                 index, update_mask, training)
             return output, (new[:, 0], new[:, 1])
         keys, values = cache
-        valid = ops.cast(attention_mask[:, -1, :], "bool")  # (B, S)
+        valid = slot_flags(attention_mask, keys)
         output, (new_keys, new_values, _) = MultiHeadAttention.call(
             self, hidden_states, hidden_states, use_causal_mask=True,
             cache=(keys, values, valid), cache_update_index=index,
@@ -251,6 +251,24 @@ class CausalMask:
     own window."""
 
     padding: object = None
+
+
+def mask_arguments(attention_mask, causal, key_mask, training):
+    """`MultiHeadAttention.call`'s mask arguments for a block's mask: a
+    `CausalMask`'s rule (`causal`, the padding `key_mask`), or the dense
+    `attention_mask`."""
+    return dict(attention_mask=None if causal else attention_mask,
+                use_causal_mask=causal, key_mask=key_mask, training=training)
+
+
+def slot_flags(attention_mask, keys):
+    """The slots `(B, S)` of a cache `keys` `(B, S, K, H)` that a cached
+    call reads: the last query's row of the block's dense mask (causal and
+    padding: each earlier query's row is the same up to its position, which
+    the layer applies; for one query, its whole mask), or every slot."""
+    if attention_mask is None:
+        return ops.ones(ops.shape(keys)[:2], "bool")
+    return ops.cast(attention_mask[:, -1, :], "bool")
 
 
 def _keep_unmasked(old, new, update_mask, index):
