@@ -22,6 +22,12 @@ one run:
 - 16 documents at `T / 2` against `keras.layers.MultiHeadAttention` with
   the same dense mask (a layer call each, forward and backward).
 
+With `--scores`, instead: 16 documents (causal) with a score function,
+ALiBi written as `fn(score, batch, head, query, key)`, on the block-sparse
+path, against the mask alone there and against the same call evaluated
+whole on the explicit path (where a score function ran before the sparse
+path took them), at each length.
+
 With `--dense`, instead: each mask but the random one on the block-sparse
 path against the same mask evaluated whole on the fused path, at each
 length (what `sparse_min_length` reads).
@@ -206,6 +212,56 @@ def _against_keras(length, repeats, rng):
           f"{times['keras'] / times['ours']:.1f}x | 5x | |")
 
 
+def _alibi(score, batch, head, query, key):
+    import keras
+
+    ops = keras.ops
+    slopes = ops.convert_to_tensor(
+        [2.0 ** (-8.0 * (h + 1) / HEADS) for h in range(HEADS)], score.dtype)
+    return score - ops.take(slopes, head) * ops.cast(
+        ops.abs(query - key), score.dtype)
+
+
+def run_scores(lengths, repeats):
+    """A score function on the block-sparse path: its cost over the mask
+    alone, and the explicit path's time over it."""
+    import keras
+
+    import keras_mha
+    from keras_mha.attention import AttentionSpec
+    from keras_mha.attention import dispatch
+
+    rng = np.random.default_rng(0)
+    backend = keras.backend.backend()
+    print("| backend | T | sparse + score function, ms | / mask alone | "
+          "explicit / sparse |")
+    print("|---|---|---|---|---|")
+    for length in lengths:
+        q, k, v = (rng.normal(size=(1, length, HEADS, HEAD)).astype(
+            "float32") for _ in range(3))
+        ids = (np.arange(length) // (length // 16))[None].astype("int32")
+        mask = keras_mha.Causal() & keras_mha.Documents(ids)
+        scores = keras_mha.ScoreFunction(_alibi)
+        times = {}
+        for name, path, score_mod in (
+            ("alone", dispatch.SPARSE, None),
+            ("scored", dispatch.SPARSE, scores),
+            ("explicit", dispatch.EXPLICIT, scores),
+        ):
+            loss = _attention_loss(AttentionSpec(
+                scale=HEAD ** -0.5, mask_mod=mask, score_mod=score_mod))
+
+            def forced(q, k, v, path=path, loss=loss):
+                with dispatch.force_path(path):
+                    return loss(q, k, v)
+
+            times[name] = _timed(_forward_backward(forced, (q, k, v)),
+                                 repeats)
+        print(f"| {backend} | {length} | {1e3 * times['scored']:.0f} | "
+              f"{times['scored'] / times['alone']:.2f} | "
+              f"{times['explicit'] / times['scored']:.1f}x |")
+
+
 def run_dense(lengths, repeats):
     """The block-sparse path's time over the dense mask's, per mask."""
     import keras
@@ -243,10 +299,13 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dense", action="store_true",
                         help="the block-sparse path against the dense mask")
+    parser.add_argument("--scores", action="store_true",
+                        help="a score function on the block-sparse path")
     args = parser.parse_args()
     os.environ.setdefault("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")
     lengths = [int(n) for n in args.lengths.split(",")]
-    (run_dense if args.dense else run)(lengths, args.repeats)
+    runner = run_dense if args.dense else run_scores if args.scores else run
+    runner(lengths, args.repeats)
 
 
 if __name__ == "__main__":

@@ -168,9 +168,16 @@ class TestMasks:
         short = dispatch.Shapes(256, 256, 8, 8, 1, 4)
         assert dispatch.choose_path(spec, short) in (dispatch.FUSED,
                                                      dispatch.EXPLICIT)
+        # A function of each logit and its indices takes the sparse path;
+        # one that reads a whole (T, S) tensor, the explicit path.
         scored = spec.replace(score_mod=keras_mha.ScoreFunction(
-            lambda s, b, h, q, k: s))
-        assert dispatch.choose_path(scored, shapes) == dispatch.EXPLICIT
+            lambda s, b, h, q, k: s * 0.5))
+        assert (dispatch.choose_path(scored, shapes) == dispatch.SPARSE) == (
+            threshold <= long)
+        table = ops.zeros((1, 1, long, long))
+        dense = spec.replace(score_mod=keras_mha.ScoreFunction(
+            lambda s, b, h, q, k: s + table))
+        assert dispatch.choose_path(dense, shapes) == dispatch.EXPLICIT
 
 
 @pytest.mark.skipif(not sparse.native_available(),
@@ -264,6 +271,22 @@ class TestBlockMaps:
             first.kinds, keras_mha.Causal().block_map(64, 64, 16).kinds)
 
 
+def _alibi_and_cap(score, b, h, q, k):
+    """The soft-cap of 3 and ALiBi's slopes for 4 heads, as a score
+    function; the slopes indexed by the head tensor, as any layout takes."""
+    slopes = ops.convert_to_tensor(
+        [2.0 ** (-2 * (head + 1)) for head in range(4)], score.dtype)
+    capped = 3.0 * ops.tanh(score / 3.0)
+    distance = ops.cast(ops.abs(q - k), score.dtype)
+    return capped - ops.take(slopes, h) * distance
+
+
+def _kept(mask):
+    """The block-sparse functions `mask` keeps: one per signature once
+    the portable sparse path has run for it."""
+    return getattr(mask, "_sparse_functions", {})
+
+
 class TestScoreFunctions:
     def test_alibi_and_soft_cap_as_score_functions(self, rng):
         x = _inputs(rng)
@@ -276,9 +299,27 @@ class TestScoreFunctions:
             distance = ops.cast(ops.abs(q - k), score.dtype)
             return capped - ops.convert_to_tensor(slopes) * distance
 
-        got = to_numpy(layer(x, x, use_causal_mask=True,
-                             score_mod=alibi_and_cap))
         want, _ = reference(layer, x, x, use_causal_mask=True, soft_cap=3.0,
+                            alibi=True)
+        # The sparse path shows the function (B, N, b, b) blocks, so
+        # slopes shaped (1, N, 1, 1) broadcast there too.
+        for path in (dispatch.SPARSE, dispatch.EXPLICIT):
+            with dispatch.force_path(path):
+                got = to_numpy(layer(x, x, use_causal_mask=True,
+                                     score_mod=alibi_and_cap))
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+    @pytest.mark.parametrize("name", ["documents", "composed",
+                                      "block_sparse"])
+    def test_the_sparse_path_applies_it_block_by_block(self, rng, name):
+        x = _inputs(rng)
+        layer = _layer(x)
+        mask, dense = _case(name)
+        with dispatch.force_path(dispatch.SPARSE):
+            got = to_numpy(layer(x, x, mask_mod=mask,
+                                 score_mod=_alibi_and_cap))
+        assert len(_kept(mask)) == 1  # the portable sparse path ran
+        want, _ = reference(layer, x, x, attention_mask=dense, soft_cap=3.0,
                             alibi=True)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
@@ -300,6 +341,97 @@ class TestGradients:
                              grads[dispatch.EXPLICIT]):
             assert np.isfinite(got).all()
             np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.training
+class TestScoreFunctionGradients:
+    @pytest.mark.parametrize("name", ["documents", "composed"])
+    def test_same_gradients_as_explicit(self, rng, name):
+        x = _inputs(rng)
+        layer = _layer(x, use_sinks=True)
+        layer.sinks.assign(np.linspace(-1.0, 1.0, 4).astype("float32"))
+        mask, _ = _case(name)
+        grads = {}
+        for path in (dispatch.SPARSE, dispatch.EXPLICIT):
+            with dispatch.force_path(path):
+                grads[path] = layer_gradients(layer, x, x, mask_mod=mask,
+                                              score_mod=_alibi_and_cap)
+        assert len(_kept(mask)) == 1
+        for got, want in zip(grads[dispatch.SPARSE],
+                             grads[dispatch.EXPLICIT]):
+            assert np.isfinite(got).all()
+            np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
+
+    def test_a_function_over_a_weight_keeps_the_weights_gradient(self, rng):
+        """A score function that closes over a trained weight runs on the
+        explicit path, which differentiates the weight too; one over a
+        constant stays on the sparse path."""
+        x = _inputs(rng)
+        layer = _layer(x, use_sinks=True)
+        layer.sinks.assign(np.linspace(-1.0, 1.0, 4).astype("float32"))
+
+        def biased(score, b, h, q, k):  # the sinks, read as a head bias too
+            return score + ops.take(layer.sinks, h)
+
+        mask, _ = _case("documents")
+        grads = {}
+        for path in (dispatch.SPARSE, dispatch.EXPLICIT):
+            with dispatch.force_path(path):
+                grads[path] = layer_gradients(layer, x, x, mask_mod=mask,
+                                              score_mod=biased)
+        # Had the sparse path differentiated it, the sinks' gradient would
+        # lack the bias's part (JAX would refuse the closure).
+        for got, want in zip(grads[dispatch.SPARSE],
+                             grads[dispatch.EXPLICIT]):
+            np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
+        kept = len(_kept(mask))
+        constant = ops.convert_to_tensor(np.linspace(-1.0, 1.0, 4),
+                                         "float32")
+        with dispatch.force_path(dispatch.SPARSE):
+            layer_gradients(layer, x, x, mask_mod=mask,
+                            score_mod=lambda s, b, h, q, k: s + ops.take(
+                                constant, h))
+        assert len(_kept(mask)) == kept + 1
+
+
+    def test_fit_takes_the_same_step_on_either_path(self, rng):
+        """A `fit` step (compiled on JAX and TensorFlow) through a mask and
+        a score function: the same weights after it on both paths."""
+        x = _inputs(rng)
+        target = rng.normal(size=x.shape).astype("float32")
+        layer = _layer(x, use_sinks=True)
+        mask, _ = _case("documents")
+        model = _Scored(layer, mask)
+        model(x)
+        start = model.get_weights()
+        after = {}
+        for path in (dispatch.SPARSE, dispatch.EXPLICIT):
+            model.set_weights(start)
+            model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+            with dispatch.force_path(path):
+                model.fit(x, target, batch_size=2, epochs=1, verbose=0,
+                          shuffle=False)  # the mask is per row
+            after[path] = model.get_weights()
+        assert len(_kept(mask)) >= 1
+        moved = max(np.abs(a - b).max() for a, b in zip(
+            after[dispatch.SPARSE], start))
+        assert moved > 1e-3
+        for got, want in zip(after[dispatch.SPARSE],
+                             after[dispatch.EXPLICIT]):
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+class _Scored(keras.Model):
+    """One attention layer called with a mask and `_alibi_and_cap`."""
+
+    def __init__(self, attention, mask):
+        super().__init__(name="scored")
+        self.attention = attention
+        self.mask_mod = mask
+
+    def call(self, x):
+        return self.attention(x, x, mask_mod=self.mask_mod,
+                              score_mod=_alibi_and_cap)
 
 
 def _assert_decodes_as_whole(layer, x, mask):

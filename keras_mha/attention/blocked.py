@@ -500,14 +500,17 @@ def finish_rows(state, sink_rows, zero_empty):
     return out, ops.add(top, ops.log(total)), has_key
 
 
-def grads_of_scores(s, tanh, v_j, do_i, lse_i, delta_i):
+def grads_of_scores(s, tanh, v_j, do_i, lse_i, delta_i, pull=None):
     """`(dS, P)` of a block of logits `s`: the weights recomputed from the
     saved log-sum-exp, and the gradient of the logits before the soft-cap,
-    `dS = P ⊙ (dO·Vᵀ - D)`, times `1 - tanh²` under a cap (`tanh` or
+    `dS = P ⊙ (dO·Vᵀ - D)`, through a score function's `pull` (or `None`,
+    see `capabilities.pullback`), times `1 - tanh²` under a cap (`tanh` or
     `None`)."""
     p = ops.exp(ops.subtract(s, lse_i))  # (B, K, r, b)
     d_p = ops.einsum("bkrv,bksv->bkrs", do_i, v_j)
     d_s = ops.multiply(p, ops.subtract(d_p, delta_i))
+    if pull is not None:
+        d_s = pull(d_s)
     if tanh is not None:
         d_s = ops.multiply(d_s, ops.subtract(1.0, ops.square(tanh)))
     return d_s, p

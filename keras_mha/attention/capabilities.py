@@ -87,6 +87,77 @@ def compiles_eager_call(tree):
     return False
 
 
+# ---------------------------------------------------------------- gradients
+
+
+def pullback(fn, x):
+    """`(fn(x), pull)`, where `pull(g)` is the vector-Jacobian product of
+    `g` through `fn` at `x`: the chain rule through a user's function
+    inside a custom gradient (`jax.vjp`, a TensorFlow tape, torch's
+    autograd, which a backward pass runs with recording off). Not on
+    NumPy, which takes no gradients."""
+    backend = backend_name()
+    if backend == JAX:
+        import jax
+
+        y, vjp = jax.vjp(fn, x)
+        return y, lambda g: vjp(g)[0]
+    if backend == TENSORFLOW:
+        import tensorflow as tf
+
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(x)
+            y = fn(x)
+
+        def pull(g):
+            grad = tape.gradient(y, x, output_gradients=g)
+            return ops.zeros_like(x) if grad is None else grad
+
+        return y, pull
+    import torch
+
+    with torch.enable_grad():
+        x = x.detach().requires_grad_(True)
+        y = fn(x)
+
+    def pull(g):
+        if not y.requires_grad:  # `fn` does not read `x`
+            return torch.zeros_like(x)
+        return torch.autograd.grad(y, x, g)[0]
+
+    return y.detach(), pull
+
+
+def carries_gradient(fn, x):
+    """`(fn(x), carries)`: `carries` says whether the result depends on a
+    tensor other than `x` (which takes no gradient) that a gradient is or
+    may be taken of: `fn` closed over a trained weight or over a tensor
+    computed from one. A custom gradient that calls such a function would
+    drop that tensor's gradient (torch, TensorFlow's tapes) or refuse it
+    (JAX; TensorFlow for any trained variable the function reads)."""
+    backend = backend_name()
+    if backend == JAX:
+        import jax
+
+        # Differentiation (and `vmap`) traces its inputs with tracers of
+        # their own kinds; a result of another kind than its argument's
+        # read one of them.
+        y = fn(x)
+        if not isinstance(y, jax.core.Tracer):
+            return y, False
+        return y, type(y) is not type(x)
+    if backend == TENSORFLOW:
+        import tensorflow as tf
+        from tensorflow.python.eager import record
+
+        with tf.GradientTape() as reads:  # the trained variables it reads
+            y = fn(x)
+        return y, bool(reads.watched_variables()) or bool(
+            record.should_record_backprop([y]))
+    y = fn(x)
+    return y, backend == TORCH and bool(y.requires_grad)
+
+
 @contextlib.contextmanager
 def host_scope():
     """Runs the block's ops on concrete values even inside a traced call

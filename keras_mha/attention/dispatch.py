@@ -14,7 +14,7 @@ row that matches decides.
 | The call | Path |
 |---|---|
 | every slot of a decoding cache read whole (`spec.whole_cache`: keras-hub's cache of one block), where `explicit_cached_step` says so (JAX on CPU: inside a compiled decode loop XLA fuses the explicit softmax better than the fused kernel's) | `explicit` |
-| a mask object (`spec.mask_mod`) and no score function; keys at their own positions; no bias, weights or dropout; `T, S >= sparse_min_length`; not under `torch.compile` | `sparse` (other calls with a mask or score function: `fused`, or `explicit` for a score function) |
+| a mask object (`spec.mask_mod`), or a score function and any mask; a score function (if any) of each logit and its indices alone, reading no weight that takes a gradient (`sparse.takes_score_function`); keys at their own positions; no bias, weights or dropout; `T, S >= sparse_min_length`; not under `torch.compile` | `sparse` (other calls with a mask or score function: `fused`, or `explicit` for a score function) |
 | a window or chunks; keys at their own positions (no cache, a Python-int offset); no dense mask or bias; no weights returned; `S >= banded_min_ratio·w` and `S >= banded_min_length`, `w = max(left, right) + 1` of the spec's `reach` (the window, and chunks of `C` as a window `(C - 1, C - 1)`, right 0 when causal) | `banded` |
 | weights returned, or dropout | `explicit` |
 | causal self-attention at `T = S >= blocked_min_length`; no window, dense mask, bias, cache, or `flash_attention=True`; on torch only what its kernel cannot take (a soft-cap) | `blocked` |
@@ -66,6 +66,7 @@ import keras_mha.attention.cache_layouts as cache_layouts
 import keras_mha.attention.capabilities as capabilities
 import keras_mha.attention.fused as fused
 import keras_mha.attention.overrides as overrides
+import keras_mha.attention.sparse as sparse
 import keras_mha.attention.tuning as tuning
 
 FUSED = "fused"
@@ -163,8 +164,8 @@ def can_serve(path, spec, shapes, backend=None):
         )
     if path == SPARSE:
         return (
-            spec.mask_mod is not None
-            and spec.score_mod is None
+            (spec.mask_mod is not None
+             or (spec.score_mod is not None and spec.masked))
             and static
             and spec.keys_at_own_positions
             and spec.bias is None
@@ -172,6 +173,8 @@ def can_serve(path, spec, shapes, backend=None):
             and not spec.dropout
             # Its loops' trip counts are data: Dynamo would specialize.
             and not capabilities.compiling_one_graph()
+            and (spec.score_mod is None or sparse.takes_score_function(
+                spec.score_mod, shapes.num_heads or 1))
         )
     if spec.programmed:  # the paths below know only the spec's own masks
         return False

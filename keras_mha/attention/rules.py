@@ -365,6 +365,14 @@ class ScoreFunction:
             )
         return result
 
+    # Two of one function are one: a function passed to each call wraps
+    # into a new object, and the sparse path keeps one program per function.
+    def __eq__(self, other):
+        return isinstance(other, ScoreFunction) and other.fn is self.fn
+
+    def __hash__(self):
+        return hash(("ScoreFunction", id(self.fn)))
+
     def __repr__(self):
         return f"ScoreFunction({getattr(self.fn, '__name__', self.fn)!r})"
 

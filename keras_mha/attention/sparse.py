@@ -37,13 +37,14 @@ import keras_mha.attention.blocked as blocked
 import keras_mha.attention.capabilities as capabilities
 import keras_mha.attention.explicit as explicit
 import keras_mha.attention.logits as logits
+import keras_mha.attention.masks as masks_lib
 import keras_mha.attention.rules as rules
 import keras_mha.attention.tuning as tuning
 
 _Geometry = collections.namedtuple(
     "_Geometry",
-    ["block", "query_blocks", "key_blocks", "key_length", "groups",
-     "soft_cap", "alibi", "use_sinks"],
+    ["block", "query_blocks", "key_blocks", "query_length", "key_length",
+     "groups", "soft_cap", "alibi", "use_sinks", "score_mod"],
 )
 
 
@@ -91,14 +92,16 @@ def sparse_attention(query, key, value, spec, block_size=None,
         query: `(B, T, N, H)`, queries at positions `0 .. T - 1`.
         key: `(B, S, K, H)`, keys at positions `0 .. S - 1`.
         value: `(B, S, K, V)`.
-        spec: without a cache, bias, score function, weights or dropout
-            (`dispatch.can_serve`); its scale, soft-cap, ALiBi and sinks
-            apply block by block.
+        spec: with a mask; without a cache, bias, weights or dropout
+            (`dispatch.can_serve`); its scale, soft-cap, ALiBi, score
+            function (one `takes_score_function` serves) and sinks apply
+            block by block.
         block_size: `b`; the tuning table's `sparse_block` if `None`.
         implementation: `"portable"` (`keras.ops`, every backend, a pair
             of blocks at a time), `"native"` (torch's fused kernel, for a
-            spec without soft-cap, ALiBi or sinks and a block map known on
-            the host), or `None` for native where it serves.
+            spec without soft-cap, ALiBi, score function or sinks and a
+            block map known on the host), or `None` for native where it
+            serves.
 
     Returns:
         `(B, T, N, V)` in the query's dtype.
@@ -111,7 +114,7 @@ def sparse_attention(query, key, value, spec, block_size=None,
     num_heads, num_kv = query.shape[2], key.shape[2]
     groups = num_heads // num_kv
     block = block_size or tuning.value("sparse_block")
-    mask = call_mask(spec)  # never `None`: the spec has a `mask_mod`
+    mask = call_mask(spec)  # never `None`: the spec is `masked`
     grid = block_maps.Grid(t_len, s_len, block, query.shape[0] or 1,
                            num_heads)
     if native:
@@ -129,10 +132,10 @@ def sparse_attention(query, key, value, spec, block_size=None,
                 f"mask_mod={spec.mask_mod!r}")
     geometry = _Geometry(
         block=block, query_blocks=grid.num_query_blocks,
-        key_blocks=grid.num_key_blocks, key_length=s_len, groups=groups,
-        soft_cap=spec.soft_cap,
+        key_blocks=grid.num_key_blocks, query_length=t_len,
+        key_length=s_len, groups=groups, soft_cap=spec.soft_cap,
         alibi=None if spec.alibi is None else tuple(spec.alibi),
-        use_sinks=spec.sinks is not None,
+        use_sinks=spec.sinks is not None, score_mod=spec.score_mod,
     )
     lists = _visits(mask, grid)
     q = ops.multiply(query, ops.cast(spec.scale, query.dtype))
@@ -144,7 +147,7 @@ def sparse_attention(query, key, value, spec, block_size=None,
     else:
         sinks = ops.reshape(ops.cast(spec.sinks, q.dtype), (num_kv, groups))
     tensors, rebuild = rules.tensors_of(mask)
-    function = _attention(geometry, mask, rebuild, spec.mask_mod or mask)
+    function = _attention(geometry, mask, rebuild, _owner(spec, mask))
     out = function(q, k, v, sinks, *lists, *tensors)  # (n_q, B, K, b·G, V)
     n_q = geometry.query_blocks
     out = ops.reshape(out, (n_q, -1, num_kv, block, groups, value.shape[3]))
@@ -156,14 +159,14 @@ def sparse_attention(query, key, value, spec, block_size=None,
 def _native(spec, implementation):
     """Whether the call goes to the backend's fused kernel a group of query
     blocks at a time (`sparse_kernels.block_sparse`), which takes no
-    soft-cap, ALiBi or sinks; an explicit choice it cannot serve is a named
-    `ValueError`."""
+    soft-cap, ALiBi, score function or sinks; an explicit choice it cannot
+    serve is a named `ValueError`."""
     if implementation not in (None, *IMPLEMENTATIONS):
         raise ValueError(
             f"Argument `implementation` must be one of {IMPLEMENTATIONS} or "
             f"`None`. Received: implementation={implementation!r}")
     serves = spec.soft_cap is None and spec.alibi is None \
-        and spec.sinks is None
+        and spec.sinks is None and spec.score_mod is None
     if implementation == NATIVE:
         if not native_available():
             raise ValueError(
@@ -171,9 +174,10 @@ def _native(spec, implementation):
                 "backend. Received: implementation='native'")
         if not serves:
             raise ValueError(
-                "`implementation='native'` takes no soft-cap, ALiBi or "
-                f"sinks. Received: soft_cap={spec.soft_cap}, "
+                "`implementation='native'` takes no soft-cap, ALiBi, score "
+                f"function or sinks. Received: soft_cap={spec.soft_cap}, "
                 f"alibi={spec.alibi is not None}, "
+                f"score_mod={spec.score_mod!r}, "
                 f"sinks={spec.sinks is not None}")
         return True
     return implementation is None and native_available() and serves
@@ -211,6 +215,38 @@ def _visits(mask, grid):
     return (*block_maps.visit_lists(every), *block_maps.visit_lists(partial),
             *block_maps.visit_lists(ops.transpose(every)),
             *block_maps.visit_lists(ops.transpose(partial)))
+
+
+def takes_score_function(score_mod, num_heads):
+    """Whether the pairs of blocks can apply `score_mod` (a
+    `rules.ScoreFunction`), probed once on a small block of logits: a
+    function of each logit and its indices (a result of another shape, or
+    an error, says it is not: the explicit path then runs it, and names
+    its error), whose result carries no gradient of its own
+    (`capabilities.carries_gradient`): the custom gradient differentiates
+    it through its logits only, so a closure over a weight would lose the
+    weight's gradient."""
+    probe = ops.zeros((1, num_heads, 2, 3), "float32")
+    indices = masks_lib.index_tensors(1, num_heads, ops.arange(2),
+                                      ops.arange(3))
+    try:
+        result, carries = capabilities.carries_gradient(
+            lambda score: score_mod.fn(score, *indices), probe)
+    except Exception:  # not elementwise: the explicit path reports it
+        return False
+    shape = tuple(getattr(result, "shape", ()))
+    return shape == (1, num_heads, 2, 3) and not carries
+
+
+def _owner(spec, mask):
+    """What keeps the call's compiled functions (`_attention`): its mask
+    argument, else its score function's function, else the call's mask."""
+    if spec.mask_mod is not None:
+        return spec.mask_mod
+    if spec.score_mod is not None and hasattr(spec.score_mod.fn,
+                                              "__dict__"):
+        return spec.score_mod.fn
+    return mask
 
 
 def _attention(geometry, mask, rebuild, owner):
@@ -258,10 +294,11 @@ def _build(geometry, rebuild):
     return blocked.differentiable(attention)
 
 
-def _scores(geometry, mask, q_i, k_j, i, j, masked):
-    """The modified logits of query block `i` over key block `j`, `(B, K,
-    b·G, b)`, the mask applied where `masked`, and `tanh(logits / c)`
-    under a soft-cap (its derivative needs it)."""
+def _scores(geometry, mask, q_i, k_j, i, j, masked, pulled=False):
+    """`(s, tanh, pull)`: the modified logits of query block `i` over key
+    block `j`, `(B, K, b·G, b)`, the mask applied where `masked`;
+    `tanh(logits / c)` under a soft-cap (its derivative needs it); with
+    `pulled`, the pullback through the score function (else `None`)."""
     s, tanh = blocked.block_logits(q_i, k_j, geometry.soft_cap)
     b, groups, num_kv = geometry.block, geometry.groups, q_i.shape[1]
     row = ops.arange(b * groups, dtype="int32")
@@ -269,6 +306,11 @@ def _scores(geometry, mask, q_i, k_j, i, j, masked):
     key_at = ops.reshape(ops.arange(b, dtype="int32") + j * b, (1, 1, 1, -1))
     s = blocked.with_alibi(s, geometry.alibi, groups, b,
                            (query_at - key_at)[0, 0])  # (b·G, b)
+    pull = None
+    if geometry.score_mod is not None:
+        scored = _score_function(geometry, i, j)
+        s, pull = capabilities.pullback(scored, s) if pulled else (
+            scored(s), None)
     if masked:
         head = ops.reshape(
             ops.arange(num_kv, dtype="int32"), (1, -1, 1, 1)
@@ -280,7 +322,32 @@ def _scores(geometry, mask, q_i, k_j, i, j, masked):
             ops.less(key_at, geometry.key_length),
         )
         s = ops.where(keep, s, ops.cast(logits.MASKED_LOGIT, s.dtype))
-    return s, tanh
+    return s, tanh, pull
+
+
+def _score_function(geometry, i, j):
+    """The score function on the logits of query block `i` over key block
+    `j`, `(B, K, b·G, b) -> (B, K, b·G, b)`. The function sees them as the
+    explicit path shows it a call's, `(B, N, b, b)` with the index tensors
+    (`masks.index_tensors`); a padded query or key reads the last real
+    position (the mask drops them)."""
+    b, groups = geometry.block, geometry.groups
+
+    def scored(s):
+        num_kv = s.shape[1]
+        x = ops.reshape(s, (-1, num_kv, b, groups, b))
+        x = ops.reshape(ops.transpose(x, (0, 1, 3, 2, 4)),
+                        (-1, num_kv * groups, b, b))  # (B, N, b, b)
+        steps = ops.arange(b, dtype="int32")
+        queries = ops.minimum(steps + i * b, geometry.query_length - 1)
+        keys = ops.minimum(steps + j * b, geometry.key_length - 1)
+        x = geometry.score_mod(x, *masks_lib.index_tensors(
+            ops.shape(x)[0], num_kv * groups, queries, keys))
+        x = ops.transpose(ops.reshape(x, (-1, num_kv, groups, b, b)),
+                          (0, 1, 3, 2, 4))
+        return ops.reshape(x, (-1, num_kv, b * groups, b))
+
+    return scored
 
 
 def _at(x, index):
@@ -308,8 +375,8 @@ def _forward_body(geometry, mask):
         i, q_i, *lists = x
 
         def step(state, j, masked):
-            s, _ = _scores(geometry, mask, q_i, _at(k, j), i, j,
-                           masked)
+            s, _, _ = _scores(geometry, mask, q_i, _at(k, j), i, j,
+                              masked)
             return blocked.online_step(state, s, _at(v, j))
 
         state = _visit(lists, step, blocked.initial_state(q_i, v.shape[-1]))
@@ -327,9 +394,10 @@ def _query_grad_body(geometry, mask):
 
         def step(d_q, j, masked):
             k_j = _at(k, j)
-            s, tanh = _scores(geometry, mask, q_i, k_j, i, j, masked)
+            s, tanh, pull = _scores(geometry, mask, q_i, k_j, i, j, masked,
+                                    pulled=True)
             d_s, _ = blocked.grads_of_scores(s, tanh, _at(v, j),
-                                             do_i, lse_i, delta_i)
+                                             do_i, lse_i, delta_i, pull)
             return ops.add(d_q, ops.einsum("bkrs,bksh->bkrh", d_s, k_j))
 
         return constants, _visit(lists, step, ops.zeros_like(q_i))
@@ -345,10 +413,11 @@ def _key_grad_body(geometry, mask):
         def step(grads, i, masked):
             d_k, d_v = grads
             q_i, do_i = _at(q, i), _at(d_out, i)
-            s, tanh = _scores(geometry, mask, q_i, k_j, i, j, masked)
+            s, tanh, pull = _scores(geometry, mask, q_i, k_j, i, j, masked,
+                                    pulled=True)
             d_s, p = blocked.grads_of_scores(
                 s, tanh, v_j, do_i, _at(lse, i),
-                _at(delta, i))
+                _at(delta, i), pull)
             return (ops.add(d_k, ops.einsum("bkrs,bkrh->bksh", d_s, q_i)),
                     ops.add(d_v, ops.einsum("bkrs,bkrv->bksv", p, do_i)))
 

@@ -155,6 +155,19 @@ class AttentionSpec:
         )
 
     @property
+    def masked(self):
+        """Whether any mask applies: a rule, tokens, a dense mask or a mask
+        object."""
+        return (
+            self.causal
+            or self.window is not None
+            or self.chunk is not None
+            or self.has_token_masks
+            or self.attention_mask is not None
+            or self.mask_mod is not None
+        )
+
+    @property
     def programmed(self):
         """Whether the call has a mask or score function."""
         return self.mask_mod is not None or self.score_mod is not None
