@@ -266,9 +266,10 @@ def choose_path(spec, shapes, backend=None, platform=None):
     if spec.whole_cache and setting("explicit_cached_step"):
         return EXPLICIT
     if (
-        can_serve(SPARSE, spec, shapes, backend)
+        None not in (shapes.query_length, shapes.key_length)
         and min(shapes.query_length, shapes.key_length)
         >= setting("sparse_min_length")
+        and can_serve(SPARSE, spec, shapes, backend)  # may probe `score_mod`
     ):
         return SPARSE
     if setting("follow_keras") and keras_would_fuse(spec, shapes, backend):

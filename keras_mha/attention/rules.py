@@ -371,7 +371,7 @@ class ScoreFunction:
         return isinstance(other, ScoreFunction) and other.fn is self.fn
 
     def __hash__(self):
-        return hash(("ScoreFunction", id(self.fn)))
+        return hash(("ScoreFunction", self.fn))
 
     def __repr__(self):
         return f"ScoreFunction({getattr(self.fn, '__name__', self.fn)!r})"

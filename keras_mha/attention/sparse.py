@@ -9,12 +9,14 @@ whole blocks with no mask at all, then its partial ones with the mask
 evaluated inside the block, with `blocked.py`'s online softmax; the custom
 gradient recomputes the weights the same way, key block `j` visiting the
 query blocks that keep it. So the work and the memory follow the kept
-blocks: O(d·T·S) time for a mask of density `d`, O(B·N·T) memory.
+blocks: O(d·T·S) time for a mask of density `d`, O(B·N·T) memory. A
+score function applies to each pair of blocks, and the gradient takes its
+vector-Jacobian product there (`capabilities.pullback`).
 
 On torch, whose eager loops pay for each pair of blocks, the native
 route (`sparse_kernels.py`) hands the kept blocks to torch's fused kernel a
 group of query blocks at a time, for a mask whose block map is known on the
-host and a spec without soft-cap, ALiBi or sinks.
+host and a spec without soft-cap, ALiBi, score function or sinks.
 
 The lists of blocks to visit are tensors, and every loop reads its trip
 count from them: a mask known on the host (no data) gives constants,
