@@ -25,6 +25,8 @@ import keras
 from keras import ops
 
 _HALF_DTYPES = ("float16", "bfloat16")
+# The tag of `query_temperature`'s power form, `("power", length, exponent)`.
+POWER = "power"
 
 
 class HeadNorm(keras.layers.Layer):
@@ -93,18 +95,26 @@ def normalize(x, scope, epsilon, scale=None, center=False, bias=None):
     return ops.cast(y, dtype)
 
 
-def temperature(x, offset, floor_scale, scale, positions=None):
+def temperature(x, offset, query_temperature, positions=None):
     """`x` `(B, T, N, H)` at positions `offset + t` (or `positions` `(B,
-    T)`), each query times `1 + scale·log(1 + floor((p + 1) /
-    floor_scale))` (in float32 for half-precision `x`, as Llama 4 computes
-    it)."""
+    T)`), each query times the layer's `query_temperature` at its
+    position: `1 + scale·log(1 + floor((p + 1) / floor_scale))` for
+    `(floor_scale, scale)` (Llama 4), `(1 + (p + 1) / length) **
+    exponent` for `("power", length, exponent)` (Beam's scalable
+    softmax); in float32 for half-precision `x`, as both compute it."""
     dtype = ops.dtype(x)
     compute = "float32" if dtype in _HALF_DTYPES else dtype
     if positions is None:
         positions = ops.arange(ops.shape(x)[1], dtype="int32") + ops.cast(
             offset, "int32")  # (T,)
     positions = ops.cast(positions, compute)
-    factor = 1.0 + scale * ops.log1p(ops.floor((positions + 1.0) / floor_scale))
+    if query_temperature[0] == POWER:
+        _, length, exponent = query_temperature
+        factor = ops.exp(exponent * ops.log1p((positions + 1.0) / length))
+    else:
+        floor_scale, scale = query_temperature
+        factor = 1.0 + scale * ops.log1p(
+            ops.floor((positions + 1.0) / floor_scale))
     factor = ops.reshape(factor, (-1 if len(factor.shape) == 2 else 1,
                                   ops.shape(x)[1], 1, 1))
     return ops.cast(ops.cast(x, compute) * factor, dtype)
@@ -157,7 +167,7 @@ def queries(layer, q, offset, tokens=None, positions=None):
                                 offset, positions)
     query_temperature = layer.settings.query_temperature
     if query_temperature is not None:
-        q = temperature(q, offset, *query_temperature, positions)
+        q = temperature(q, offset, query_temperature, positions)
     return q
 
 

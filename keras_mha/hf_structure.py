@@ -13,6 +13,7 @@ layer does. Nothing here imports `transformers`; torch only for its
 
 import dataclasses
 import inspect
+import sys
 
 import numpy as np
 
@@ -465,6 +466,68 @@ def forward_parameters(module):
         return inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return {}
+
+
+# Positions at which a model's query scale is read (`position_scale`).
+_SCALE_POSITIONS = np.array([0, 1, 15, 255, 2047, 4095, 65535, 10**6])
+
+
+def position_scale(module, name, layer_type):
+    """`("power", length, exponent)`: the query scale a model hands its
+    layers without RoPE as `attention_scaling`, `(1 + (p + 1) / length) **
+    exponent` (the scalable softmax of Beam's NoPE layers). The model
+    computes it with its modeling module's `compute_attention_scaling`;
+    it is read by evaluating that function at positions from 0 to 10⁶ and
+    fitting the form, which must then give every value it gave (to 2e-6);
+    anything else is refused by name."""
+    refused = ValueError(
+        f"The {name}: a query scale that grows with the position is read "
+        "as `(1 + (p + 1) / length) ** exponent` (the scalable softmax of "
+        "Beam's NoPE layers), from the modeling module's "
+        "`compute_attention_scaling`; this one is not of that form or not "
+        f"found. Received: layer_type={layer_type!r}")
+    compute = getattr(sys.modules.get(type(module).__module__),
+                      "compute_attention_scaling", None)
+    if not callable(compute):
+        raise refused
+    import torch
+
+    with torch.no_grad():
+        found = compute(torch.as_tensor(_SCALE_POSITIONS[None]))
+    factor = np.asarray(found, np.float64).reshape(-1)
+    form = _power_form(_SCALE_POSITIONS + 1.0, factor)
+    if form is None:
+        raise refused
+    return ("power", *form)
+
+
+def _power_form(x, factor):
+    """`(length, exponent)` with `(1 + x / length) ** exponent` equal to
+    `factor` at every `x` (relative 2e-6), fitted on the last two points
+    (the best conditioned) and rounded to 6 digits where that still
+    holds; `None` where no such pair does."""
+    if factor.shape != x.shape or not np.all(factor > 1.0):
+        return None
+    low, high = np.log(factor[-2:])
+    ratio = high / low
+
+    def spread(length):  # grows with `length`, from 1 toward x1 / x0
+        return np.log1p(x[-1] / length) / np.log1p(x[-2] / length)
+
+    if not 1.0 < ratio < x[-1] / x[-2]:
+        return None
+    bounds = [-20.0, 60.0]  # log(length)
+    for _ in range(200):
+        middle = sum(bounds) / 2
+        bounds[int(spread(np.exp(middle)) > ratio)] = middle
+    length = float(np.exp(sum(bounds) / 2))
+    exponent = float(high / np.log1p(x[-1] / length))
+    for pair in ((float(f"{length:.6g}"), float(f"{exponent:.6g}")),
+                 (length, exponent)):
+        if np.allclose((1.0 + x / pair[0]) ** pair[1], factor, rtol=2e-6,
+                       atol=0.0):
+            return pair
+    return None
 
 
 def built_layer(layer_class, fixed, layer_kwargs, name, config, hidden_size):

@@ -196,19 +196,16 @@ def _fixed_arguments(module, config, name, family, structure, head_layout,
                    for dense in projections)
     soft_cap = getattr(module, "attn_logit_softcapping", None)
     uses_rope = _uses_rope(module, family, config)
-    if "attention_scaling" in hf_structure.forward_parameters(module) and (
-            not uses_rope):
-        raise ValueError(
-            f"The {name}: a query scale that grows with the position (the "
-            "scalable softmax of Beam's NoPE layers) is not supported. "
-            f"Received: layer_type={_layer_type(module, config)!r}"
-        )
     qk_norm, qk_norm_scope, qk_norm_epsilon = _qk_norm(structure, name, head_dim)
     query_temperature = None
     if (family.temperature and not uses_rope
             and getattr(config, "attn_temperature_tuning", False)):
         query_temperature = (float(config.floor_scale),
                              float(config.attn_scale))
+    if "attention_scaling" in hf_structure.forward_parameters(module) and (
+            not uses_rope):
+        query_temperature = hf_structure.position_scale(
+            module, name, _layer_type(module, config))
     rotary_embedding = None
     if uses_rope:
         rotary_embedding = _rotary_embedding(module, config, name, family,

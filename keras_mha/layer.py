@@ -151,9 +151,12 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             per head, without weights (Gemma 4).
         qkv_clip: `None` or `c > 0`: the projected queries, keys and
             values are clipped to `[-c, c]` (DBRX's `clip_qkv`).
-        query_temperature: `None` or `(floor_scale, scale)`: the query at
+        query_temperature: `None`; `(floor_scale, scale)`: the query at
             position `p` (after RoPE) times `1 + scale·log(1 + floor((p +
-            1) / floor_scale))` (Llama 4); `p = cache_update_index + t`.
+            1) / floor_scale))` (Llama 4); or `("power", length,
+            exponent)`: times `(1 + (p + 1) / length) ** exponent` (the
+            scalable softmax of Beam's NoPE layers); `p =
+            cache_update_index + t`.
         input_norm: `None`, or a Keras layer (`LayerNormalization`) applied
             to the inputs before the projections (Megatron-BERT's pre-norm).
         input_norm_scope: `"all"`: the query, value and key (of one size);

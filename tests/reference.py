@@ -149,7 +149,8 @@ def reference_attention(
     `(left, right)` (`p - left <= j <= p + right`); `rotary` is `None` or
     the keyword arguments of `rotate`; `qk_norm` `None` or `(scope,
     epsilon, query_scale, key_scale)` (scales `None` without weights);
-    `query_temperature` `None` or `(floor_scale, scale)`; `chunk_size`
+    `query_temperature` `None`, `(floor_scale, scale)` or `("power",
+    length, exponent)`; `chunk_size`
     `None` or `C`; `qk_norm_after_rope` puts the norms after the rotation.
     `qk_norm` may end with `(query_bias, key_bias)`: LayerNorms.
     `value_norm` is `None` or the epsilon of the values' weightless RMS
@@ -194,10 +195,15 @@ def reference_attention(
     k = np.repeat(k, num_heads // num_kv, axis=2)  # head n reads n // G
     v = np.repeat(v, num_heads // num_kv, axis=2)
     if query_temperature is not None:
-        floor_scale, factor = query_temperature
         p = query_offset + np.arange(t_len)
-        q = q * (1.0 + factor * np.log(1.0 + np.floor((p + 1) / floor_scale))
-                 )[None, :, None, None]
+        if query_temperature[0] == "power":
+            _, length, exponent = query_temperature
+            growth = (1.0 + (p + 1) / length) ** exponent
+        else:
+            floor_scale, factor = query_temperature
+            growth = 1.0 + factor * np.log(1.0 + np.floor((p + 1)
+                                                          / floor_scale))
+        q = q * growth[None, :, None, None]
 
     allowed = np.ones((batch, num_heads, t_len, s_len), dtype=bool)
     pos = query_offset + np.arange(t_len)[:, None]

@@ -35,6 +35,8 @@ VARIANTS = {
     "value_norm": {"value_norm": True, "qk_norm_epsilon": 1e-2},
     "clip": {"qkv_clip": 1.5},
     "temperature": {"query_temperature": (4.0, 0.5)},
+    # Beam's scalable softmax on its NoPE layers.
+    "power_temperature": {"query_temperature": ("power", 6.0, 0.5)},
     # Hunyuan: per-head norms after RoPE.
     "rms_after_rope": {"qk_norm": "rms", "qk_norm_after_rope": True,
                        "rotary_embedding": lambda: keras_mha.RotaryEmbedding(
@@ -190,17 +192,13 @@ class TestDecoding:  # the transforms precede the decode paths: one suffices
         x = _x(rng)[:, :12]
         layer = _layer(x, "all", window, qk_norm_scope="projection",
                        qk_norm_after_rope=after_rope)
-        full = to_numpy(layer(x, x, use_causal_mask=True))
-        cache = layer.init_cache(B, 12)
-        outputs = []
-        for start, stop in ((0, 5), (5, 6), (6, 9), (9, 10), (10, 11),
-                            (11, 12)):
-            token = x[:, start:stop]
-            out, cache = layer(token, token, use_causal_mask=True,
-                               cache=cache, cache_update_index=start)
-            outputs.append(to_numpy(out))
-        np.testing.assert_allclose(np.concatenate(outputs, 1), full,
-                                   atol=2e-5, rtol=2e-5)
+        _assert_steps_equal_full_pass(layer, x)
+
+    def test_power_temperature_steps_equal_full_pass(self, rng):
+        """Beam's form of the temperature reads each query's position in
+        the cache too."""
+        x = _x(rng)[:, :12]
+        _assert_steps_equal_full_pass(_layer(x, "power_temperature"), x)
 
     def test_cached_layer(self, rng):
         """keras-hub's cached layer: a prompt, then steps, equal the full
@@ -227,6 +225,22 @@ class TestDecoding:  # the transforms precede the decode paths: one suffices
             outputs.append(to_numpy(out))
         np.testing.assert_allclose(np.concatenate(outputs, 1), full,
                                    atol=2e-5, rtol=2e-5)
+
+
+def _assert_steps_equal_full_pass(layer, x):
+    """A prompt of 5 tokens, then steps of 1 and 3 through the layer's
+    cache, equal the full causal pass over the 12 tokens of `x`."""
+    full = to_numpy(layer(x, x, use_causal_mask=True))
+    cache = layer.init_cache(B, 12)
+    outputs = []
+    for start, stop in ((0, 5), (5, 6), (6, 9), (9, 10), (10, 11),
+                        (11, 12)):
+        token = x[:, start:stop]
+        out, cache = layer(token, token, use_causal_mask=True,
+                           cache=cache, cache_update_index=start)
+        outputs.append(to_numpy(out))
+    np.testing.assert_allclose(np.concatenate(outputs, 1), full,
+                               atol=2e-5, rtol=2e-5)
 
 
 class TestCompiledAndMixedPrecision:
@@ -311,6 +325,10 @@ class TestErrors:
              r"query_temperature=\(8192, inf\)"),
             ({"query_temperature": (True, 0.1)},
              r"query_temperature=\(True, 0.1\)"),
+            ({"query_temperature": ("power", 0, 0.1)},
+             r"query_temperature=\('power', 0, 0.1\)"),
+            ({"query_temperature": ("pow", 8, 0.1)},
+             r"query_temperature=\('pow', 8, 0.1\)"),
         ],
     )
     def test_constructor_values(self, kwargs, match):

@@ -49,6 +49,7 @@ FEATURES = {
     "bert": "a BERT-style block",
     "deepseek_v3": "multi-head latent attention",
     "llama4_text": "chunks, NoPE layers, query temperature",
+    "beam": "a query scale that grows with the position on NoPE layers",
     "hunyuan_v1_dense": "query/key norms after RoPE",
     "codegen": "`rotary_dim`, a fused projection in model-parallel blocks",
     "gemma4_text": "a value norm, proportional RoPE, keys as values, keys "
@@ -172,6 +173,26 @@ def test_falcon_with_alibi_is_refused_by_name():
     module = hf_zoo.attention_modules(model_class(config))[0]
     with pytest.raises(ValueError, match=r"FalconAttention.*alibi=True"):
         keras_mha.from_torch(module, config=config)
+
+
+def test_a_position_scale_of_another_form_is_refused_by_name():
+    """A NoPE layer's query scale is read only as Beam's power form: a
+    module whose modeling module computes none is refused, and so is
+    Llama 4's temperature written as the same kind of function."""
+    from keras_mha import hf_structure
+
+    class ScaledAttention(torch.nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match=r"ScaledAttention: .*not of that "
+                       r"form or not found\. Received: layer_type='full'"):
+        hf_structure.position_scale(ScaledAttention(), "ScaledAttention",
+                                    "full")
+    x = np.array([1.0, 2.0, 16.0, 256.0, 2048.0, 4096.0, 65536.0, 1e6 + 1])
+    llama4 = 1.0 + 0.1 * np.log1p(np.floor(x / 8192.0))
+    assert hf_structure._power_form(x, llama4) is None
+    assert hf_structure._power_form(x, (1.0 + x / 512.0) ** 0.25) == (
+        512.0, 0.25)
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the whole zoo runs on torch")

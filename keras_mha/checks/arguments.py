@@ -166,24 +166,29 @@ def key_value_heads(value, num_heads):
 
 
 def query_temperature_pair(value):
-    """`None`, or `(floor_scale, scale)`: a positive number and a finite
-    one, as a tuple of Python floats (a JSON list from a config too)."""
+    """`None`; `(floor_scale, scale)`, a positive number and a finite one;
+    or `("power", length, exponent)`, a positive number and a finite one
+    after the tag: as a tuple of Python floats after any tag (a JSON list
+    from a config too)."""
     if value is None:
         return None
-    pair = tuple(value) if isinstance(value, (tuple, list)) else ()
+    form = tuple(value) if isinstance(value, (tuple, list)) else ()
+    tag = form[:1] if form[:1] == ("power",) else ()
+    numbers_ = form[len(tag):]
     if (
-        len(pair) != 2
+        len(numbers_) != 2
         or any(isinstance(x, bool) or not isinstance(x, numbers.Real)
-               for x in pair)
-        or not 0.0 < float(pair[0]) < float("inf")
-        or not abs(float(pair[1])) < float("inf")
+               for x in numbers_)
+        or not 0.0 < float(numbers_[0]) < float("inf")
+        or not abs(float(numbers_[1])) < float("inf")
     ):
         raise ValueError(
-            "Argument `query_temperature` must be `None` or a pair "
-            "`(floor_scale, scale)` of a positive number and a finite "
-            f"number. Received: query_temperature={value!r}"
+            "Argument `query_temperature` must be `None`, a pair "
+            "`(floor_scale, scale)` or a triple `(\"power\", length, "
+            "exponent)`, with a positive number and a finite number. "
+            f"Received: query_temperature={value!r}"
         )
-    return (float(pair[0]), float(pair[1]))
+    return tag + (float(numbers_[0]), float(numbers_[1]))
 
 
 def head_features(qk_norm, qk_norm_scope, qk_norm_epsilon,
