@@ -93,6 +93,8 @@ _TABLE = (
     (Family(partial_rotary=True, query_gate="per_head"),
      ("qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")),
     (Family(separate_gate=True), ("hrm_text", "lfm3")),
+    # Ling 3: multi-head latent attention with a gate per head.
+    (Family(separate_gate=True, interleaved=True), ("bailing_hybrid",)),
     (Family(separate_gate=True, rope_layers="sliding"), ("afmoe", "beam")),
     (Family(rope_layers="sliding"), ("flint", "lara_mini")),
     (Family(rope_layers="sliding", interleaved=True),

@@ -31,13 +31,20 @@ def from_transformers(module, name, family, config, **layer_kwargs):
     halves, the same rotation in another order, which a query's product
     with a key does not see. With `attention_bias`, the projections of the
     input and the output have biases (zeros where the module has none: its
-    `q_proj`).
+    `q_proj`). A `g_proj` of one output per head, in a family whose gate is
+    a sigmoid (Ling 3), is `use_gate=True`, its rows repeated over each
+    head's features.
     """
-    hf_structure.check_all_read(module, dict(module.named_children()), {
+    children = dict(module.named_children())
+    gate = next((g for g in hf_structure.GATES if g in children), None)
+    hf_structure.check_all_read(module, children, {
         "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj",
         "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj",
+        *([] if gate is None else [gate]),
     }, name)
     num_heads = int(config.num_attention_heads)
+    if gate is not None:
+        _check_gate(children[gate], gate, name, family, num_heads)
     hidden_size = int(config.hidden_size)
     q_rank = module.q_lora_rank
     q_rank = None if q_rank is None else int(q_rank)
@@ -65,6 +72,7 @@ def from_transformers(module, name, family, config, **layer_kwargs):
         use_bias=use_bias,
         norm_epsilon=float(module.kv_a_layernorm.variance_epsilon),
         sliding_window=None,
+        use_gate=gate is not None,
     )
     layer = hf_structure.built_layer(MultiHeadLatentAttention, fixed,
                                      layer_kwargs, name, config, hidden_size)
@@ -101,7 +109,26 @@ def from_transformers(module, name, family, config, **layer_kwargs):
     layer.sublayer("kv_b").set_weights(
         weights(module.kv_b_proj, (rank, num_heads, nope + v_dim))
     )  # (R, N, Hn + V)
+    if gate is not None:  # one output per head: its rows repeat
+        kernel = np.repeat(host.to_numpy(children[gate].weight), v_dim,
+                           axis=0).T.reshape(hidden_size, num_heads, v_dim)
+        layer.sublayer("gate").set_weights(
+            [kernel, np.zeros((num_heads, v_dim), kernel.dtype)]
+            if use_bias else [kernel])
     layer.sublayer("output").set_weights(weights(
         module.o_proj, (num_heads, v_dim, hidden_size), (hidden_size,)
     ))  # (N, V, E)
     return layer
+
+
+def _check_gate(gate, attribute, name, family, num_heads):
+    """The module's output gate must be one the layer's `use_gate` reads:
+    one output per head without a bias (Ling 3's `g_proj`), in a family
+    whose gate is a sigmoid; else it is refused by name."""
+    if family.separate_gate is not True or getattr(gate, "bias", None) \
+            is not None or tuple(gate.weight.shape)[:1] != (num_heads,):
+        raise ValueError(
+            f"The {name} has an output gate `{attribute}` that "
+            "`MultiHeadLatentAttention` reads only as a sigmoid of one "
+            "output per head without a bias, in a family whose gate is "
+            f"known. Received: {attribute}={gate}")

@@ -35,7 +35,7 @@ _FUSED = (
     ("c_attn", ("c_proj",)),
     ("query_key_value", ("dense",)),
 )
-_GATES = ("gate_proj", "g_proj")
+GATES = ("gate_proj", "g_proj")
 # Submodules that compute nothing the layer must know of.
 _INERT = ("Dropout", "Identity", "RotaryEmbedding", "ModuleList")
 # Buffers that hold a causal mask or a rotary table the model's own masks
@@ -210,7 +210,7 @@ def _output_gate(module, children, used, name, head_layout, family, query,
     num_heads, _, head_dim = head_layout
     if query.weight.shape[0] == 2 * num_heads * head_dim:
         query, gate = _query_gate(query, name, head_layout, family)
-    for gate_name in _GATES:
+    for gate_name in GATES:
         if gate_name in children:
             if not family.separate_gate:
                 raise ValueError(

@@ -30,7 +30,7 @@ from keras_mha.attention import spec as spec_lib
 _SETTINGS = (
     "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
     "v_head_dim", "q_lora_rank", "use_bias", "norm_epsilon", "dropout",
-    "sliding_window",
+    "sliding_window", "use_gate",
 )
 
 
@@ -67,11 +67,12 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
     `keras_mha.attention.latent`).
 
     Weights: the `EinsumDense` sublayers `query` (or `query_a`,
-    `query_norm` (RMS), `query_b`), `kv_a`, `kv_norm` (RMS), `kv_b` and
-    `attention_output`, in that order. `use_bias` gives biases to the
-    projections of the inputs (`query` or `query_a`, `kv_a`) and to
-    `attention_output`, as Hugging Face's `attention_bias` does; the
-    up-projections `query_b` and `kv_b` have none (`sublayer(name)`).
+    `query_norm` (RMS), `query_b`), `kv_a`, `kv_norm` (RMS), `kv_b`,
+    (`gate`) and `attention_output`, in that order. `use_bias` gives
+    biases to the projections of the inputs (`query` or `query_a`, `kv_a`,
+    `gate`) and to `attention_output`, as Hugging Face's `attention_bias`
+    does; the up-projections `query_b` and `kv_b` have none
+    (`sublayer(name)`).
     `settings` holds the constructor's values resolved as one frozen value
     (`keras_mha.settings.LatentSettings`), which the read-only properties
     give. Registered as `keras_mha>MultiHeadLatentAttention`.
@@ -105,6 +106,9 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
         kernel_initializer: for every projection kernel.
         bias_initializer: for every projection bias.
         seed: seed of the dropout.
+        use_gate: whether `sigmoid(gate(query))`, one value per head's
+            feature, multiplies the heads before `attention_output` (Ling
+            3's head-wise gate, imported with its rows repeated).
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -159,6 +163,7 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         seed=None,
+        use_gate=False,
         **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
@@ -181,6 +186,7 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
             "attn_logits_soft_cap", attn_logits_soft_cap, allow_none=True
         )
         use_bias = checks.boolean("use_bias", use_bias)
+        use_gate = checks.boolean("use_gate", use_gate)
         super().__init__(**kwargs)
         self.settings = settings_lib.LatentSettings(
             num_heads=num_heads, kv_lora_rank=kv_lora_rank,
@@ -190,7 +196,8 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
             given_scale=scale,
             scale=(spec_lib.default_scale(qk_nope_head_dim + qk_rope_head_dim)
                    if scale is None else scale),
-            use_bias=use_bias, norm_epsilon=norm_epsilon, dropout=dropout,
+            use_bias=use_bias, use_gate=use_gate, norm_epsilon=norm_epsilon,
+            dropout=dropout,
             sliding_window=sliding_window,
             attn_logits_soft_cap=attn_logits_soft_cap,
             kernel_initializer=keras.initializers.get(kernel_initializer),
@@ -211,6 +218,7 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
     _sublayers = dict(query="_query_dense", query_a="_query_a",
                       query_norm="_query_norm", query_b="_query_b",
                       kv_a="_kv_a", kv_norm="_kv_norm", kv_b="_kv_b",
+                      gate="_gate_dense",
                       output="_output_dense")  # `sublayer`
 
     # ------------------------------------------------------------------ build
@@ -249,6 +257,11 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
         self._dropout_layer = keras.layers.Dropout(
             rate=settings.dropout, dtype=self.dtype_policy, seed=self.seed
         )
+        if settings.use_gate:
+            self._gate_dense = self._dense(
+                "btd,dnv->btnv", (None, heads, settings.v_head_dim), "gate",
+                "nv")
+            self._gate_dense.build(query_shape)
         self._output_dense = self._dense(
             "btnv,nve->bte", (None, query_shape[-1]), "attention_output", "e"
         )
@@ -349,6 +362,9 @@ class MultiHeadLatentAttention(properties.Configured, keras.layers.Layer):
         )
         if return_attention_scores:
             scores = ops.cast(scores, self.compute_dtype)
+        if settings.use_gate:
+            context = ops.multiply(context,
+                                   ops.sigmoid(self._gate_dense(query)))
         return hooks.results(
             self._output_dense(context),
             scores if return_attention_scores else None, new_cache,

@@ -99,7 +99,7 @@ class Configured:
         `MultiHeadAttention`: `"query"`, `"key"`, `"value"`, `"gate"`,
         `"output"`. `MultiHeadLatentAttention`: `"query"` (or `"query_a"`,
         `"query_norm"`, `"query_b"`), `"kv_a"`, `"kv_norm"`, `"kv_b"`,
-        `"output"`. A method rather than properties: Keras saves a
+        `"gate"`, `"output"`. A method rather than properties: Keras saves a
         sublayer under the first public attribute that holds it, and the
         saved paths stay those of Keras's layers (`_gate_dense`).
         """

@@ -143,6 +143,8 @@ class LatentSettings(AttentionSettings):
         v_head_dim: `V`.
         q_lora_rank: `None`, or the query's own compression.
         norm_epsilon: the RMS normalizations'.
+        use_gate: whether a sigmoid gate of the query multiplies each
+            head's features before the output projection.
     """
 
     kv_lora_rank: int
@@ -151,6 +153,7 @@ class LatentSettings(AttentionSettings):
     v_head_dim: int
     q_lora_rank: Any
     norm_epsilon: float
+    use_gate: bool = False
 
     @property
     def qk_head_dim(self):

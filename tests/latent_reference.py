@@ -8,7 +8,8 @@ the DeepSeek-V2 paper (arXiv 2405.04434, section 2.1), eq. 9-19:
     q_C  = W_uq c_q,  q_R = RoPE(W_qr c_q)   per head
     q_n = [q_C,n ; q_R,n],  k_n = [k_C,n ; k_R]
     o_n = sum_j softmax_j(q_n·k_n,j · scale) v_C,n,j
-    u   = W_o [o_1 ; ... ; o_N]
+    u   = W_o [o_1 ; ... ; o_N]      (each o_n times sigmoid(W_g,n h) with
+                                      a gate)
 
 Everything expanded per head, looped over nothing clever; the masks and
 the row rule (no allowed key: weights 0) are those of `reference.py`.
@@ -110,5 +111,8 @@ def reference_latent_attention(
             e = np.exp(scores[index][row] - scores[index][row].max())
             probs[index][row] = e / e.sum()
     context = np.einsum("bnts,bsnv->btnv", probs, v)
+    if config.get("use_gate"):
+        gate = _dense(weights, "gate", query, "btd,dnv->btnv")
+        context = context / (1.0 + np.exp(-gate))
     out = _dense(weights, "attention_output", context, "btnv,nve->bte")
     return out, probs

@@ -91,6 +91,8 @@ CASES = {
     "symmetric_window_soft_cap": (
         dict(sliding_window=(2, 1), attn_logits_soft_cap=2.0), dict(),
     ),
+    # Ling 3's gate: a sigmoid of the query per head's feature.
+    "gate": (dict(use_gate=True, use_bias=True), dict(use_causal_mask=True)),
 }
 
 
@@ -240,6 +242,15 @@ class TestDecoding:
             (BATCH, slots, 8), (BATCH, slots, 4), (BATCH, slots)
         ]
 
+    def test_gated_steps_equal_the_full_pass(self):
+        """The gate reads each step's own tokens, whichever computation
+        the rule picks for the steps."""
+        layer = make_latent(use_gate=True, rotary_embedding=yarn())
+        x = inputs()
+        expected, _ = reference(layer, x, use_causal_mask=True)
+        out, _ = _decode(layer, x, 4, None)
+        np.testing.assert_allclose(out, expected, atol=ATOL, rtol=ATOL)
+
     def test_portable_absorbed_steps(self):
         """The absorbed steps on the portable block loop (the test above
         runs the backends' native steps)."""
@@ -363,7 +374,7 @@ class TestSerialization:
         layer = make_latent(q_lora_rank=5, rotary_embedding=yarn(),
                             sliding_window=3, scale=0.25, use_bias=True,
                             norm_epsilon=1e-5, dropout=0.1, seed=3,
-                            attn_logits_soft_cap=30.0)
+                            attn_logits_soft_cap=30.0, use_gate=True)
         config = layer.get_config()
         clone = keras_mha.MultiHeadLatentAttention.from_config(config)
         assert clone.get_config() == config
@@ -404,6 +415,10 @@ class TestSerialization:
             "query_b/kernel", "kv_a/kernel", "kv_a/bias", "kv_norm/scale",
             "kv_b/kernel", "attention_output/kernel", "attention_output/bias",
         ]
+        gated = [w.path.split("/", 1)[1]
+                 for w in make_latent(use_gate=True).weights]
+        assert gated[-3:] == ["kv_b/kernel", "gate/kernel",
+                              "attention_output/kernel"]
 
 
 class TestErrors:
@@ -412,10 +427,11 @@ class TestErrors:
         ("qk_rope_head_dim", None), ("v_head_dim", "8"), ("q_lora_rank", 0),
         ("scale", -1.0), ("norm_epsilon", 0.0), ("dropout", 1.0),
         ("sliding_window", 0), ("attn_logits_soft_cap", 0.0),
-        ("use_bias", "yes"),
+        ("use_bias", "yes"), ("use_gate", "yes"),
     ])
     def test_bad_arguments(self, argument, value):
-        error = TypeError if argument == "use_bias" else ValueError
+        error = TypeError if argument in ("use_bias", "use_gate") \
+            else ValueError
         with pytest.raises(error, match=f"{argument}="):
             keras_mha.MultiHeadLatentAttention(**{**SIZES, argument: value})
 
