@@ -492,9 +492,12 @@ def position_scale(module, name, layer_type):
         raise refused
     import torch
 
-    with torch.no_grad():
-        found = compute(torch.as_tensor(_SCALE_POSITIONS[None]))
-    factor = np.asarray(found, np.float64).reshape(-1)
+    try:  # the model's own function, called as the model calls it
+        with torch.no_grad():
+            found = compute(torch.as_tensor(_SCALE_POSITIONS[None]))
+        factor = np.asarray(found, np.float64).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise refused from error
     form = _power_form(_SCALE_POSITIONS + 1.0, factor)
     if form is None:
         raise refused

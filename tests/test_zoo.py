@@ -175,17 +175,29 @@ def test_falcon_with_alibi_is_refused_by_name():
         keras_mha.from_torch(module, config=config)
 
 
-def test_a_position_scale_of_another_form_is_refused_by_name():
+def test_a_position_scale_of_another_form_is_refused_by_name(monkeypatch):
     """A NoPE layer's query scale is read only as Beam's power form: a
-    module whose modeling module computes none is refused, and so is
-    Llama 4's temperature written as the same kind of function."""
+    module whose modeling module computes none, or computes it from other
+    arguments, is refused, and so is Llama 4's temperature written as the
+    same kind of function."""
+    import sys
+    import types
+
     from keras_mha import hf_structure
 
     class ScaledAttention(torch.nn.Module):
         pass
 
-    with pytest.raises(ValueError, match=r"ScaledAttention: .*not of that "
-                       r"form or not found\. Received: layer_type='full'"):
+    refused = (r"ScaledAttention: .*not of that form or not found\. "
+               r"Received: layer_type='full'")
+    with pytest.raises(ValueError, match=refused):
+        hf_structure.position_scale(ScaledAttention(), "ScaledAttention",
+                                    "full")
+    modeling = types.ModuleType("modeling_scaled")
+    modeling.compute_attention_scaling = lambda position_ids, length: None
+    monkeypatch.setitem(sys.modules, "modeling_scaled", modeling)
+    monkeypatch.setattr(ScaledAttention, "__module__", "modeling_scaled")
+    with pytest.raises(ValueError, match=refused):
         hf_structure.position_scale(ScaledAttention(), "ScaledAttention",
                                     "full")
     x = np.array([1.0, 2.0, 16.0, 256.0, 2048.0, 4096.0, 65536.0, 1e6 + 1])
