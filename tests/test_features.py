@@ -13,6 +13,7 @@ import pytest
 from conftest import BACKEND
 from reference import alibi_slopes as reference_slopes
 from util import assert_close
+from util import assert_steps_equal_full_pass
 from util import compiled
 from util import layer_gradients
 from util import make_layer
@@ -327,16 +328,8 @@ class TestDecoding:
     def test_step_by_step_equals_full_pass(self, rng, window):
         x = _inputs(rng)[0][:, :12]
         layer = _layer(x, "all", window)
-        full = to_numpy(layer(x, x, use_causal_mask=True))
-        cache = layer.init_cache(B, 12)
-        outputs = []
-        for start, stop in ((0, 5), (5, 6), (6, 9), (9, 10), (10, 11), (11, 12)):
-            token = x[:, start:stop]
-            out, cache = layer(token, token, use_causal_mask=True,
-                               cache=cache, cache_update_index=start)
-            outputs.append(to_numpy(out))
-        np.testing.assert_allclose(np.concatenate(outputs, 1), full,
-                                   atol=2e-5, rtol=2e-5)
+        cache = assert_steps_equal_full_pass(
+            layer, x, ((0, 5), (5, 6), (6, 9), (9, 10), (10, 11), (11, 12)))
         if window is not None:  # a rolling cache of `left + 1` slots
             slots = window[0] + 1 if isinstance(window, tuple) else window
             assert [x.shape[1] for x in cache] == [slots] * 3

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 from util import assert_close
+from util import assert_steps_equal_full_pass
 from util import compiled
 from util import make_layer
 from util import reference
@@ -228,19 +229,10 @@ class TestDecoding:  # the transforms precede the decode paths: one suffices
 
 
 def _assert_steps_equal_full_pass(layer, x):
-    """A prompt of 5 tokens, then steps of 1 and 3 through the layer's
+    """A prompt of 5 tokens, then steps of 1 and 3, through the layer's
     cache, equal the full causal pass over the 12 tokens of `x`."""
-    full = to_numpy(layer(x, x, use_causal_mask=True))
-    cache = layer.init_cache(B, 12)
-    outputs = []
-    for start, stop in ((0, 5), (5, 6), (6, 9), (9, 10), (10, 11),
-                        (11, 12)):
-        token = x[:, start:stop]
-        out, cache = layer(token, token, use_causal_mask=True,
-                           cache=cache, cache_update_index=start)
-        outputs.append(to_numpy(out))
-    np.testing.assert_allclose(np.concatenate(outputs, 1), full,
-                               atol=2e-5, rtol=2e-5)
+    assert_steps_equal_full_pass(
+        layer, x, ((0, 5), (5, 6), (6, 9), (9, 10), (10, 11), (11, 12)))
 
 
 class TestCompiledAndMixedPrecision:

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 from util import assert_close
+from util import assert_steps_equal_full_pass
 from util import compiled
 from util import make_layer
 from util import reference
@@ -132,16 +133,8 @@ class TestDecoding:
     def test_step_by_step_equals_full_pass(self, rng, window):
         x = _x(rng)[:, :12]
         layer = _layer(x, "all", sliding_window=window)
-        full = to_numpy(layer(x, x, use_causal_mask=True))
-        cache = layer.init_cache(B, 12)
-        outputs = []
-        for start, stop in ((0, 5), (5, 6), (6, 9), (9, 12)):
-            token = x[:, start:stop]
-            out, cache = layer(token, token, use_causal_mask=True,
-                               cache=cache, cache_update_index=start)
-            outputs.append(to_numpy(out))
-        np.testing.assert_allclose(np.concatenate(outputs, 1), full,
-                                   atol=2e-5, rtol=2e-5)
+        assert_steps_equal_full_pass(
+            layer, x, ((0, 5), (5, 6), (6, 9), (9, 12)))
 
     def test_cached_layer(self, rng):
         """keras-hub's cached layer: a prompt, then steps."""

@@ -177,6 +177,23 @@ def rotary_reference_arguments(rotary, head_dim):
     )
 
 
+def assert_steps_equal_full_pass(layer, x, bounds):
+    """`x`'s tokens `[start, stop)` for each pair of `bounds`, in order,
+    through the layer's own cache, equal the full causal pass over `x`;
+    returns the last cache."""
+    full = to_numpy(layer(x, x, use_causal_mask=True))
+    cache = layer.init_cache(x.shape[0], x.shape[1])
+    outputs = []
+    for start, stop in bounds:
+        token = x[:, start:stop]
+        out, cache = layer(token, token, use_causal_mask=True,
+                           cache=cache, cache_update_index=start)
+        outputs.append(to_numpy(out))
+    np.testing.assert_allclose(np.concatenate(outputs, 1), full,
+                               atol=2e-5, rtol=2e-5)
+    return cache
+
+
 def assert_close(actual, expected, atol=1e-5, rtol=1e-5):
     np.testing.assert_allclose(
         to_numpy(actual).astype("float64"), expected, atol=atol, rtol=rtol
