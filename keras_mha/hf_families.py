@@ -60,7 +60,6 @@ class Family:
             takes `alibi`, or whose config has `alibi=True` (Falcon's,
             whose biases are divided by `sqrt(H)`), from a family not
             marked so is refused.
-        refused: why the family cannot be imported, or `None`.
     """
 
     window: str | None = "auto"
@@ -75,7 +74,6 @@ class Family:
     temperature: bool = False
     norms_after_rope: bool = False
     alibi: bool = False
-    refused: str | None = None
 
 
 DEFAULT = Family()
@@ -109,8 +107,6 @@ _TABLE = (
     (Family(alibi=True, fused_layout="per_head"), ("bloom",)),
     (Family(alibi=True), ("mpt",)),
     (Family(interleaved=True, fused_layout="model_parallel"), ("codegen",)),
-    (Family(refused="differential attention (two softmaxes, subtracted)"),
-     ("diffllama",)),
     (Family(window="attention_type", scale=1.0), ("gpt_neo",)),
     (Family(window="config"), ("mistral",)),
     # Moshi's model masks causally only, whatever `config.sliding_window`

@@ -132,7 +132,9 @@ def probe(norm, owner, attribute):
     epsilon = _epsilon(norm, owner, attribute)
     weight = getattr(norm, "weight", None)
     params = sorted(n for n, _ in norm.named_parameters())
-    width = 16 if weight is None else int(weight.shape[-1])
+    shape = getattr(norm, "normalized_shape", None)  # torch's own norms
+    width = (int(weight.shape[-1]) if weight is not None
+             else int(shape[-1]) if shape else 16)
     sample = np.random.default_rng(0).normal(1.0, 1.0, (2, width))
     with torch.no_grad():
         got = host.to_numpy(norm(torch.as_tensor(sample, dtype=torch.float32)))

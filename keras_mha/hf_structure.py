@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 
+from keras_mha import hf_differential
 from keras_mha import hf_norms
 from keras_mha import host
 
@@ -44,7 +45,6 @@ _INERT_BUFFERS = ("bias", "masked_bias", "inv_freq")
 # Parameters and submodules that no feature of the layer reads, with what
 # they do: named in the refusal.
 KNOWN_UNSUPPORTED = {
-    "lambda_q1": "differential attention (two softmaxes, subtracted)",
     "indexer": "a lightning indexer that picks the top-k keys per query",
     "o_norm": "a norm on the attention's output",
     "relative_position_bias": "a learned relative position bias",
@@ -101,6 +101,8 @@ class Structure:
         logit_factor: what the module multiplies its logits by beyond
             its `scaling`: the square of a `qk_scale` buffer that scales
             both queries and keys (Ergo's global layers), else 1.
+        differential: `hf_differential.Differential` (DiffLlama; `value`
+            then laid out for it), or `None`.
     """
 
     query: Dense
@@ -117,6 +119,7 @@ class Structure:
     input_norm: hf_norms.Norm = None
     output_norm: hf_norms.Norm = None
     shared_key_value: bool = False
+    differential: hf_differential.Differential = None
 
 
 def read(module, name, head_layout, family, values_are_keys=False):
@@ -158,6 +161,8 @@ def read(module, name, head_layout, family, values_are_keys=False):
     norms = hf_norms.query_key_norms(children, used, name, shared)
     value_norm = hf_norms.value_norm(children, used, name)
     output_norm = hf_norms.one_of(children, hf_norms.OUTPUT_NORMS, used, name)
+    value, differential = hf_differential.read(module, children, used, name,
+                                               head_layout, value)
     sinks = None
     if isinstance(getattr(module, "sinks", None), _parameter_type()):
         sinks = host.to_numpy(module.sinks)
@@ -168,7 +173,7 @@ def read(module, name, head_layout, family, values_are_keys=False):
     check_all_read(module, children, used | {"sinks"}, name)
     return Structure(query, key, value, output, gate, *norms, sinks, fused,
                      value_norm, logit_factor, output_norm=output_norm,
-                     shared_key_value=shared)
+                     shared_key_value=shared, differential=differential)
 
 
 def _projections(module, children, used, name, head_layout, family,

@@ -19,6 +19,7 @@ the config into the layer's `rotary_embedding` (`rope_parameters.py`) and
 
 import numpy as np
 
+from keras_mha import hf_differential
 from keras_mha import hf_families
 from keras_mha import hf_structure
 from keras_mha import host
@@ -153,7 +154,7 @@ def from_transformers(module, config=None, **layer_kwargs):
 
 def _config_and_family(module, config, name):
     """`(config, family)`: the module's config (else the one passed) and
-    its `hf_families.Family`, refused where the family is."""
+    its `hf_families.Family`."""
     config = getattr(module, "config", None) or config
     if config is None:
         raise ValueError(
@@ -162,13 +163,7 @@ def _config_and_family(module, config, name):
             "the model's, `from_torch(module, config=model.config)`. "
             "Received: module.config=None, config=None"
         )
-    family = hf_families.family(config)
-    if family.refused is not None:
-        raise ValueError(
-            f"The {name}: {family.refused} is not supported. Received: "
-            f"model_type={getattr(config, 'model_type', None)!r}"
-        )
-    return config, family
+    return config, hf_families.family(config)
 
 
 def _in_rotation_order(structure, module, config, family, head_layout):
@@ -244,6 +239,9 @@ def _fixed_arguments(module, config, name, family, structure, head_layout,
         shared_key_value=structure.shared_key_value,
         key_value_source=(_key_value_source(module, config)
                           if structure.shared_key_value else None),
+        **({} if structure.differential is None else dict(
+            differential=structure.differential.lambda_init,
+            differential_epsilon=structure.differential.epsilon)),
     )
 
 
@@ -309,9 +307,10 @@ def _set_weights(layer, structure, head_layout, value_dim, use_bias):
             )
     output_size = structure.output.weight.shape[0]
     layer.output_dense.set_weights(
-        weights(structure.output, (num_heads, value_dim, output_size),
-                (output_size,))
-    )  # (N, V, E'), (E',)
+        weights(structure.output, (_merged_heads(structure, num_heads),
+                                   value_dim, output_size), (output_size,))
+    )  # (N, V, E'), (E',); `N/2` pairs of differential attention
+    hf_differential.set_weights(layer, structure.differential)
     if structure.sinks is not None:
         layer.sinks.assign(structure.sinks)  # (N,)
     for norm, probed, features in (
@@ -364,7 +363,8 @@ def _check_shapes(structure, name, head_layout):
     """The value head size `V`, once the weights agree with `(N, K, H)`."""
     num_heads, num_kv_heads, head_dim = head_layout
     hidden_size = structure.query.weight.shape[1]
-    value_rows = num_kv_heads * (structure.output.weight.shape[1] // num_heads)
+    merged = _merged_heads(structure, num_heads)
+    value_rows = num_kv_heads * (structure.output.weight.shape[1] // merged)
     if structure.value is not None:  # else an earlier layer's (shared)
         value_rows = structure.value.weight.shape[0]
     value_dim = value_rows // num_kv_heads
@@ -373,7 +373,7 @@ def _check_shapes(structure, name, head_layout):
         "key": (num_kv_heads * head_dim, hidden_size),
         "value": (num_kv_heads * value_dim, hidden_size),
         # Zamba 2's output is narrower than its input (`output_shape`).
-        "output": (structure.output.weight.shape[0], num_heads * value_dim),
+        "output": (structure.output.weight.shape[0], merged * value_dim),
     }
     for projection, shape in want.items():
         if getattr(structure, projection) is None:
@@ -387,6 +387,12 @@ def _check_shapes(structure, name, head_layout):
                 f"{projection} weight shape {tuple(got)}"
             )
     return value_dim
+
+
+def _merged_heads(structure, num_heads):
+    """The heads the output projection takes: `N`, or the `N/2` pairs of
+    differential attention."""
+    return num_heads // 2 if structure.differential else num_heads
 
 
 def _qkv_clip(module, config):

@@ -12,6 +12,7 @@ from keras import ops
 from keras_mha import cache_methods
 from keras_mha import checks
 from keras_mha import describe as describe_lib
+from keras_mha import differential as differential_lib
 from keras_mha import heads as heads_lib
 from keras_mha import hooks
 from keras_mha import projections
@@ -37,7 +38,7 @@ _SETTINGS = (
     "qk_norm", "qk_norm_scope", "qk_norm_epsilon", "query_temperature",
     "qk_norm_after_rope", "value_norm", "qkv_clip", "gate_activation",
     "input_norm_scope", "alibi_before_scale", "shared_key_value",
-    "key_value_source",
+    "key_value_source", "differential", "differential_epsilon",
 )
 # Keras's private names for its layers' settings, read-only here, for code
 # written against Keras's (Keras's own tests read `_flash_attention` and
@@ -60,7 +61,7 @@ _PRIVATE_NAMES = (
 @properties.with_read_only(*_PRIVATE_NAMES, attribute="settings.{}",
                            name="_{}")
 @properties.with_read_only("query_dense", "key_dense", "value_dense",
-                           "output_dense")
+                           "output_dense", "differential_layer")
 class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
                          cache_methods.CacheMethods, keras.layers.Layer):
     """Multi-head attention, a drop-in for `keras.layers.MultiHeadAttention`.
@@ -75,8 +76,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
 
     Weights: the `EinsumDense` sublayers `query`, `key`, (`gate`), `value`
     and `attention_output`, Keras's names, shapes and order, then `sinks`,
-    `query_norm`, `key_norm`, the `input_norm`'s and the `output_norm`'s;
-    `set_weights(keras_layer.get_weights())`
+    `query_norm`, `key_norm`, the `input_norm`'s and the `output_norm`'s,
+    then `differential`'s four vectors; `set_weights(keras_layer.get_weights())`
     works both ways. `settings` holds the constructor's values resolved
     (`value_dim`, `num_key_value_heads` and `scale` filled in) as one
     frozen value (`keras_mha.settings.MultiHeadSettings`); read-only
@@ -175,6 +176,13 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             numbers its layers (`from_torch` sets the `layer_idx` of
             transformers' source layer). The caller routes them; the layer
             keeps the name in its config.
+        differential: `None`, or `λ_init` in `[0, 1)`: differential
+            attention (`keras_mha.differential`, DiffLlama). Head `i` pairs
+            with head `i + N/2` (`num_heads` even); each pair gives
+            `RMSNorm(o_i - λ·o_{i+N/2})·(1 - λ_init)`, `λ` from four
+            trainable `(key_dim,)` vectors, and the output projection takes
+            the `N/2` pairs. No `use_gate` or `output_norm` with it.
+        differential_epsilon: the pairs' norm's epsilon.
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -253,7 +261,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         qk_norm_after_rope=False, value_norm=False, qkv_clip=None,
         gate_activation="sigmoid", input_norm=None, input_norm_scope="all",
         output_norm=None, alibi_before_scale=False, shared_key_value=False,
-        key_value_source=None, **kwargs,
+        key_value_source=None, differential=None, differential_epsilon=1e-5,
+        **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
         key_dim = checks.positive_int("key_dim", key_dim)
@@ -279,6 +288,9 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             "gate_activation", gate_activation, ("sigmoid", "softplus"))
         output_shape = checks.output_shape(output_shape)
         axes = checks.attention_axes(attention_axes)
+        differential, differential_epsilon = checks.differential(
+            differential, differential_epsilon, num_heads, use_gate,
+            output_norm)
         checks.single_attention_axis(
             axes, attention_axes, sliding_window=sliding_window,
             attention_chunk_size=attention_chunk_size)
@@ -311,6 +323,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             shared_key_value=checks.shared_key_value(self, shared_key_value),
             key_value_source=checks.key_value_source(key_value_source,
                                                      shared_key_value),
+            differential=differential,
+            differential_epsilon=differential_epsilon,
             **head_features,
         )
         self.supports_masking = True
@@ -319,6 +333,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         self._query_norm = self._key_norm = None  # `HeadNorm`s, built
         self._layout = self._feature_sizes = None  # the inputs', built
         self._adopted = {}  # built projections by name, for `build`
+        self._differential_layer = None  # `differential`'s, built
 
     # Read-only as in Keras (the others: `with_read_only` above).
     scale = _read_only("settings.scale",
@@ -385,8 +400,9 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             "output", None) or projections.output_projection(
             self, len(query_shape),
             settings.output_shape or (query_shape[-1],))
+        pairs = heads // 2 if settings.differential is not None else heads
         if not self._output_dense.built:
-            self._output_dense.build(query_shape[:-1] + (heads, value_dim))
+            self._output_dense.build(query_shape[:-1] + (pairs, value_dim))
         if settings.use_sinks:  # after Keras's weights, so theirs line up
             self._sinks_layer = self._adopted.pop("sinks", None) or (
                 projections.Sinks(heads, name="sinks", dtype=self.dtype_policy))
@@ -395,6 +411,12 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         self._query_norm, self._key_norm = heads_lib.build_norms(
             settings, self._adopted, self.dtype_policy)
         projections.build_norms_around(self, query_shape, heads * value_dim)
+        if settings.differential is not None:
+            self._differential_layer = differential_lib.Differential(
+                heads, settings.key_dim, settings.differential,
+                settings.differential_epsilon, name="differential",
+                dtype=self.dtype_policy)
+            self._differential_layer.build()
 
     # ------------------------------------------------------------------- call
 
@@ -493,6 +515,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         values when given."""
         context = self._layout.from_sequence(context, query)  # (B, ..., N, V)
         context = projections.normalized_heads(self, context)
+        if self.settings.differential is not None:
+            context = self._differential_layer(context)  # (B, ..., N/2, V)
         if gate is not None:
             context = ops.multiply(context, gate)
         if scores is not None:

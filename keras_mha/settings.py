@@ -101,6 +101,9 @@ class MultiHeadSettings(AttentionSettings):
         shared_key_value: whether the layer projects queries only and
             reads an earlier layer's keys and values (`sharing.py`).
         key_value_source: `None`, or the name or index of that layer.
+        differential, differential_epsilon: `None` or `λ_init`, and the
+            norm's epsilon, of differential attention
+            (`keras_mha.differential`).
     """
 
     key_dim: int
@@ -122,6 +125,8 @@ class MultiHeadSettings(AttentionSettings):
     output_norm: Any = None
     shared_key_value: bool = False
     key_value_source: Any = None
+    differential: Any = None
+    differential_epsilon: float = 1e-5
 
 
 # The latent layer's values of the settings it has not.

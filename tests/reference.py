@@ -19,7 +19,10 @@ sum, gate, output projection. The features follow their papers:
   square, times a scale;
 - the query temperature (Llama 4): the query at `p` times
   `1 + scale·log(1 + floor((p + 1) / floor_scale))`;
-- chunked attention (Llama 4): `j // C == p // C`.
+- chunked attention (Llama 4): `j // C == p // C`;
+- differential attention (Ye et al., DiffLlama): heads `i` and `i + N/2`
+  give `RMSNorm(o_i - λ·o_{i+N/2})·(1 - λ_init)`, with
+  `λ = exp(λ_q1·λ_k1) - exp(λ_q2·λ_k2) + λ_init`.
 """
 
 import numpy as np
@@ -140,6 +143,7 @@ def reference_attention(
     gate_activation="sigmoid",
     input_norm=None,
     output_norm=None,
+    differential=None,
 ):
     """Returns `(output, weights)` for rank-3 inputs, in float64.
 
@@ -160,7 +164,8 @@ def reference_attention(
     memory_too)`: the query's features normalized (RMS, or a LayerNorm
     with a `bias`), and the value's and key's with `memory_too`;
     `output_norm` `None` or `(epsilon, scale, bias)`, each token's heads
-    normalized together before the gate.
+    normalized together before the gate. `differential` is `None` or
+    `(lambda_init, epsilon, (λ_q1, λ_k1, λ_q2, λ_k2))`: the heads' pairs.
     """
     f64 = lambda x: None if x is None else np.asarray(x, dtype="float64")
     query, value = f64(query), f64(value)
@@ -258,6 +263,12 @@ def reference_attention(
     context = np.einsum("bnts,bsnv->btnv", probs, v)
     if output_norm is not None:
         context = rms_norm(context, "projection", *output_norm)
+    if differential is not None:
+        lambda_init, epsilon, (q1, k1, q2, k2) = differential
+        factor = np.exp(q1 @ k1) - np.exp(q2 @ k2) + lambda_init
+        half = num_heads // 2
+        context = context[:, :, :half] - factor * context[:, :, half:]
+        context = rms_norm(context, "head", epsilon) * (1.0 - lambda_init)
     if "gate" in weights:
         gate = _project(query, weights["gate"], weights["gate_bias"])
         context = context * (np.logaddexp(0.0, gate)

@@ -50,12 +50,15 @@ LAYER_FEATURES = {
     # Falcon: ALiBi added before the scale, so scaled with the logits.
     "alibi_before_scale": {"use_alibi": True, "alibi_before_scale": True,
                            "scale": 0.5},
+    # Differential attention: heads `i` and `i + 3` pair up.
+    "differential": {"differential": 0.3},
     "all": {
         "rotary_embedding": lambda: keras_mha.RotaryEmbedding(100),
         "scale": 0.5,
         "attn_logits_soft_cap": 3.0,
         "use_sinks": True,
         "use_alibi": True,
+        "differential": 0.3,
     },
 }
 
@@ -485,11 +488,24 @@ class TestErrors:
             ({"sliding_window": 0}, "sliding_window=0"),
             ({"alibi_before_scale": True},
              "alibi_before_scale=True, use_alibi=False"),
+            ({"differential": 1.0}, "differential=1.0"),
+            ({"differential": -0.1}, r"differential=-0.1"),
+            ({"differential": "0.5"}, "differential='0.5'"),
+            ({"differential": 0.5, "num_heads": 3},
+             "num_heads=3, differential=0.5"),
+            ({"differential": 0.5, "use_gate": True},
+             "differential=0.5, use_gate=True"),
+            ({"differential": 0.5,
+              "output_norm": keras.layers.RMSNormalization()},
+             "differential=0.5, output_norm="),
+            ({"differential": 0.5, "differential_epsilon": 0},
+             "differential_epsilon=0"),
         ],
     )
     def test_constructor_values(self, kwargs, match):
+        kwargs = {"num_heads": 2, **kwargs}
         with pytest.raises(ValueError, match=match):
-            keras_mha.MultiHeadAttention(num_heads=2, key_dim=4, **kwargs)
+            keras_mha.MultiHeadAttention(key_dim=4, **kwargs)
 
     @pytest.mark.parametrize("name", ["use_sinks", "use_alibi",
                                       "alibi_before_scale"])

@@ -29,7 +29,7 @@ BACKEND = keras.backend.backend()
 DOCS = pathlib.Path(__file__).parent.parent / "docs" / "importing.md"
 BEGIN, END = "<!-- zoo table: begin -->", "<!-- zoo table: end -->"
 # The fewest families that must import; raised as families are added.
-AT_LEAST = 171
+AT_LEAST = 172
 
 # One family per feature, run on every backend.
 FEATURES = {
@@ -64,6 +64,7 @@ FEATURES = {
     "roformer": "a BERT-style block with interleaved rotary",
     "megatron-bert": "a LayerNorm of the input inside the block",
     "bitnet": "a norm of the heads before the output projection",
+    "diffllama": "differential attention: pairs of heads, subtracted",
 }
 # Families whose tiny model does not build from their defaults, and why.
 NOT_BUILT = {

@@ -36,6 +36,8 @@ OURS_ONLY = (
     "input_norm",
     "input_norm_scope",
     "output_norm",
+    "differential",
+    "differential_epsilon",
 )
 
 
@@ -139,6 +141,13 @@ def reference(layer, query, value, key=None, **kwargs):
                                          memory_too))
     if layer.output_norm is not None:
         kwargs.setdefault("output_norm", norm_arguments(layer.output_norm))
+    pairs = layer.differential_layer
+    if pairs is not None:
+        kwargs.setdefault("differential", (
+            layer.differential, layer.differential_epsilon,
+            tuple(to_numpy(getattr(pairs, name)).astype("float64")
+                  for name in ("lambda_q1", "lambda_k1", "lambda_q2",
+                               "lambda_k2"))))
     return reference_attention(
         layer_weights(layer), query, value, key=key, **kwargs
     )

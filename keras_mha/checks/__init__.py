@@ -30,6 +30,7 @@ from keras_mha.checks.arguments import output_shape
 from keras_mha.checks.arguments import attention_axes
 from keras_mha.checks.arguments import shape_and_dtype
 from keras_mha.checks.arguments import dims_agree
+from keras_mha.checks.arguments import differential
 from keras_mha.checks.inputs import argument_kinds
 from keras_mha.checks.inputs import mask_argument
 from keras_mha.checks.inputs import input_shapes
@@ -65,6 +66,7 @@ __all__ = [
     "cache_tensor",
     "call_arguments",
     "choice",
+    "differential",
     "dims_agree",
     "dropout_rate",
     "feature_arguments",

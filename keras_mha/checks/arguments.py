@@ -308,3 +308,33 @@ def dims_agree(a, b):
     return len(a) == len(b) and all(
         x is None or y is None or x == y for x, y in zip(a, b)
     )
+
+
+def differential(value, epsilon, num_heads, use_gate, output_norm):
+    """`(differential, differential_epsilon)`: `None`, or `λ_init` in
+    `[0, 1)` for a layer whose heads pair up (an even `num_heads`, no
+    output gate or `output_norm`, which would act on heads the pairs
+    have merged); the norm's epsilon, a positive number."""
+    epsilon = positive_number("differential_epsilon", epsilon)
+    if value is None:
+        return None, epsilon
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not 0.0 <= float(value) < 1.0):
+        raise ValueError(
+            "Argument `differential` must be `None` or `lambda_init`, a "
+            f"number in [0, 1). Received: differential={value!r}"
+        )
+    if num_heads % 2:
+        raise ValueError(
+            "Differential attention pairs head `i` with head `i + N/2`: "
+            "`num_heads` must be even. Received: num_heads="
+            f"{num_heads}, differential={value!r}"
+        )
+    for name, given in (("use_gate", use_gate), ("output_norm", output_norm)):
+        if given not in (None, False):
+            raise ValueError(
+                f"Differential attention takes no `{name}`: it normalizes "
+                "each pair of heads itself. Received: "
+                f"differential={value!r}, {name}={given!r}"
+            )
+    return float(value), epsilon
