@@ -162,12 +162,15 @@ def build_norms(settings, adopted, dtype):
 def queries(layer, q, offset, tokens=None, positions=None):
     """The layer's projected queries `(B, T, N, H)` at positions `offset +
     t` (or `positions` `(B, T)`, each token's own), ready for attention:
-    padding zeroed, normalized, rotated, scaled by the temperature."""
+    padding zeroed, normalized, rotated, scaled by the temperature and by
+    the layer's `query_scale` `(N, H)` (`use_query_scale`)."""
     q = _rotated_and_normalized(layer, "query", _clipped(layer, q, tokens),
                                 offset, positions)
     query_temperature = layer.settings.query_temperature
     if query_temperature is not None:
         q = temperature(q, offset, query_temperature, positions)
+    if layer.settings.use_query_scale:
+        q = q * ops.cast(layer.query_scale, q.dtype)
     return q
 
 

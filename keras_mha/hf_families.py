@@ -90,7 +90,7 @@ _TABLE = (
      ("gpt_neox", "gpt_neox_japanese", "persimmon")),
     (Family(partial_rotary=True, query_gate="per_head"),
      ("qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")),
-    (Family(separate_gate=True), ("hrm_text", "lfm3")),
+    (Family(separate_gate=True), ("dory", "hrm_text", "lfm3")),
     # Ling 3: multi-head latent attention with a gate per head.
     (Family(separate_gate=True, interleaved=True), ("bailing_hybrid",)),
     (Family(separate_gate=True, rope_layers="sliding"), ("afmoe", "beam")),

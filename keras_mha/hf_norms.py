@@ -66,21 +66,23 @@ class Norm:
         return [scale] + ([] if self.bias is None else [self.bias])
 
 
-def query_key_norms(children, used, name, shared=False):
+def query_key_norms(children, used, name, shared=False, head_dim=None):
     """`(query_norm, key_norm)`: the module's `Norm`s, or `None`s; the
-    query's only where `shared` (its keys come normalized)."""
+    query's only where `shared` (its keys come normalized). `head_dim`:
+    what an L2 norm normalizes (`probe`)."""
     if "qk_norm" in children:  # Llama 4: one weightless norm for both
         used.add("qk_norm")
-        norm = probe(children["qk_norm"], name, "qk_norm")
+        norm = probe(children["qk_norm"], name, "qk_norm", head_dim)
         return norm, norm
     for query_name, key_name in QUERY_KEY_NORMS:
         if query_name in children and shared:
             used.add(query_name)
-            return probe(children[query_name], name, query_name), None
+            query = probe(children[query_name], name, query_name, head_dim)
+            return query, None
         if query_name in children and key_name in children:
             used.update((query_name, key_name))
-            return (probe(children[query_name], name, query_name),
-                    probe(children[key_name], name, key_name))
+            return (probe(children[query_name], name, query_name, head_dim),
+                    probe(children[key_name], name, key_name, head_dim))
     return None, None
 
 
@@ -99,13 +101,14 @@ def value_norm(children, used, name):
     return value_norm
 
 
-def one_of(children, names, used, name):
+def one_of(children, names, used, name, features=None):
     """The `Norm` of the first of `names` among the module's `children`
-    (`INPUT_NORMS`, `OUTPUT_NORMS`), or `None`."""
+    (`INPUT_NORMS`, `OUTPUT_NORMS`), or `None`; `features`: what an L2
+    norm normalizes (`probe`), `None` to refuse one."""
     for attribute in names:
         if attribute in children:
             used.add(attribute)
-            return probe(children[attribute], name, attribute)
+            return probe(children[attribute], name, attribute, features)
     return None
 
 
@@ -123,10 +126,11 @@ def _epsilon(norm, owner, attribute):
     )
 
 
-def probe(norm, owner, attribute):
+def probe(norm, owner, attribute, features=None):
     """Runs the norm on a probe: it must be `x / sqrt(mean(x²) + eps)`
-    times `w`, `1 + w` or nothing, or a LayerNorm: `(x - mean) /
-    sqrt(var + eps) · w + b`."""
+    times `w`, `1 + w` or nothing, `x / sqrt(sum(x²) + eps)` (an L2
+    norm, read where the caller gives the `features` it normalizes), or a
+    LayerNorm: `(x - mean) / sqrt(var + eps) · w + b`."""
     import torch
 
     epsilon = _epsilon(norm, owner, attribute)
@@ -145,6 +149,8 @@ def probe(norm, owner, attribute):
     candidates = []  # (scale, bias, what the norm would return)
     if not params:
         candidates.append((None, None, normalized(sample)))
+        candidates.append(("sum", None, sample / np.sqrt(
+            np.sum(sample**2, -1, keepdims=True) + epsilon)))
     if params == ["weight"]:
         w = host.to_numpy(weight).astype(np.float64)
         candidates += [(s, None, normalized(sample) * s) for s in (w, 1.0 + w)]
@@ -155,11 +161,28 @@ def probe(norm, owner, attribute):
         candidates.append((w, b, normalized(centered) * w + b))
     for scale, bias, want in candidates:
         if np.allclose(got, want, rtol=1e-4, atol=1e-5):
+            if isinstance(scale, str):
+                return _l2(norm, owner, attribute, epsilon, features)
             as32 = lambda a: None if a is None else a.astype(np.float32)
             return Norm(as32(scale), epsilon, as32(bias))
     raise ValueError(
         f"The {owner}'s `{attribute}` ({type(norm).__name__}) is neither an "
-        "RMS norm with a weight `w` or `1 + w` (or none) nor a LayerNorm, "
+        "RMS norm with a weight `w` or `1 + w` (or none), a weightless L2 "
+        "norm nor a LayerNorm, "
         "the norms the layer has. Received: parameters "
         f"{[n for n, _ in norm.named_parameters()]}"
     )
+
+
+def _l2(norm, owner, attribute, epsilon, features):
+    """An L2 norm over `features` (`F`) as the RMS norm the layer computes:
+    `x / sqrt(Σx² + eps) = x / sqrt(mean(x²) + eps / F) / sqrt(F)`, a
+    scale of `1 / sqrt(F)` and the epsilon `eps / F` (nGPT's, Dory's)."""
+    if features is None:
+        raise ValueError(
+            f"The {owner}'s `{attribute}` ({type(norm).__name__}) is an L2 "
+            "norm, `x / sqrt(sum(x²) + eps)`, and the layer's norm there "
+            "divides by the root of the mean. Received: an L2 norm"
+        )
+    return Norm(np.full(features, features**-0.5, np.float32),
+                epsilon / features)

@@ -18,6 +18,7 @@ import sys
 import numpy as np
 
 from keras_mha import hf_differential
+from keras_mha import hf_ngpt
 from keras_mha import hf_norms
 from keras_mha import host
 
@@ -103,6 +104,8 @@ class Structure:
             both queries and keys (Ergo's global layers), else 1.
         differential: `hf_differential.Differential` (DiffLlama; `value`
             then laid out for it), or `None`.
+        query_scale: `(N·H,)` factors of the queries after the rotary
+            embedding (`hf_ngpt`, Dory), or `None`.
     """
 
     query: Dense
@@ -120,6 +123,7 @@ class Structure:
     output_norm: hf_norms.Norm = None
     shared_key_value: bool = False
     differential: hf_differential.Differential = None
+    query_scale: np.ndarray = None
 
 
 def read(module, name, head_layout, family, values_are_keys=False):
@@ -158,9 +162,12 @@ def read(module, name, head_layout, family, values_are_keys=False):
         module, children, used, name, head_layout, family, shared)
     query, gate = _output_gate(module, children, used, name, head_layout,
                                family, query, output)
-    norms = hf_norms.query_key_norms(children, used, name, shared)
+    gate = hf_ngpt.folded_gate(module, used, gate)
+    norms = hf_norms.query_key_norms(children, used, name, shared,
+                                     head_layout[2])
     value_norm = hf_norms.value_norm(children, used, name)
-    output_norm = hf_norms.one_of(children, hf_norms.OUTPUT_NORMS, used, name)
+    output_norm = hf_norms.one_of(children, hf_norms.OUTPUT_NORMS, used, name,
+                                  output.weight.shape[1])
     value, differential = hf_differential.read(module, children, used, name,
                                                head_layout, value)
     sinks = None
@@ -170,10 +177,12 @@ def read(module, name, head_layout, family, values_are_keys=False):
     if "qk_scale" in dict(module.named_buffers(recurse=False)):
         used.add("qk_scale")
         logit_factor = float(host.to_numpy(module.qk_scale)) ** 2
+    query_scale = hf_ngpt.query_scale(module, used)
     check_all_read(module, children, used | {"sinks"}, name)
     return Structure(query, key, value, output, gate, *norms, sinks, fused,
                      value_norm, logit_factor, output_norm=output_norm,
-                     shared_key_value=shared, differential=differential)
+                     shared_key_value=shared, differential=differential,
+                     query_scale=query_scale)
 
 
 def _projections(module, children, used, name, head_layout, family,
@@ -267,6 +276,7 @@ def reordered(structure, order, head_layout):
         key=dense(structure.key, num_kv_heads),
         query_norm=norm(structure.query_norm, num_heads),
         key_norm=norm(structure.key_norm, num_kv_heads),
+        query_scale=rows(structure.query_scale, num_heads),
     )
 
 

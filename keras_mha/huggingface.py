@@ -239,6 +239,7 @@ def _fixed_arguments(module, config, name, family, structure, head_layout,
         shared_key_value=structure.shared_key_value,
         key_value_source=(_key_value_source(module, config)
                           if structure.shared_key_value else None),
+        use_query_scale=structure.query_scale is not None,
         **({} if structure.differential is None else dict(
             differential=structure.differential.lambda_init,
             differential_epsilon=structure.differential.epsilon)),
@@ -311,6 +312,9 @@ def _set_weights(layer, structure, head_layout, value_dim, use_bias):
                                    value_dim, output_size), (output_size,))
     )  # (N, V, E'), (E',); `N/2` pairs of differential attention
     hf_differential.set_weights(layer, structure.differential)
+    if structure.query_scale is not None:  # (N·H,) -> (N, H)
+        layer.query_scale.assign(
+            structure.query_scale.reshape(num_heads, head_dim))
     if structure.sinks is not None:
         layer.sinks.assign(structure.sinks)  # (N,)
     for norm, probed, features in (

@@ -39,6 +39,7 @@ _SETTINGS = (
     "qk_norm_after_rope", "value_norm", "qkv_clip", "gate_activation",
     "input_norm_scope", "alibi_before_scale", "shared_key_value",
     "key_value_source", "differential", "differential_epsilon",
+    "use_query_scale",
 )
 # Keras's private names for its layers' settings, read-only here, for code
 # written against Keras's (Keras's own tests read `_flash_attention` and
@@ -77,7 +78,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
     Weights: the `EinsumDense` sublayers `query`, `key`, (`gate`), `value`
     and `attention_output`, Keras's names, shapes and order, then `sinks`,
     `query_norm`, `key_norm`, the `input_norm`'s and the `output_norm`'s,
-    then `differential`'s four vectors; `set_weights(keras_layer.get_weights())`
+    then `differential`'s four vectors, then `query_scale`; `set_weights(keras_layer.get_weights())`
     works both ways. `settings` holds the constructor's values resolved
     (`value_dim`, `num_key_value_heads` and `scale` filled in) as one
     frozen value (`keras_mha.settings.MultiHeadSettings`); read-only
@@ -164,8 +165,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             `"query"`: the query only (a cross-attention's memory).
         output_norm: `None`, or a Keras layer (`RMSNormalization`) applied
             to each token's `N·V` attention features, the heads
-            concatenated, before the gate and the output projection
-            (BitNet's sub-norm).
+            concatenated, after the gate and before the output projection
+            (BitNet's sub-norm; Dory's L2 norm).
         shared_key_value: the layer projects queries only and attends over
             an earlier layer's keys and values, its call's
             `shared_key_value` (Gemma 3n's and Gemma 4's last layers;
@@ -183,6 +184,11 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             trainable `(key_dim,)` vectors, and the output projection takes
             the `N/2` pairs. No `use_gate` or `output_norm` with it.
         differential_epsilon: the pairs' norm's epsilon.
+        use_query_scale: adds a trainable weight `query_scale` `(num_heads,
+            key_dim)`, ones at first, that multiplies each query's
+            features after the rotary embedding and the temperature
+            (nGPT's `s_qk`, Dory): a scale per feature, which a rotation
+            would mix were it folded into the projection.
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
@@ -262,7 +268,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         gate_activation="sigmoid", input_norm=None, input_norm_scope="all",
         output_norm=None, alibi_before_scale=False, shared_key_value=False,
         key_value_source=None, differential=None, differential_epsilon=1e-5,
-        **kwargs,
+        use_query_scale=False, **kwargs,
     ):
         num_heads = checks.positive_int("num_heads", num_heads)
         key_dim = checks.positive_int("key_dim", key_dim)
@@ -325,6 +331,8 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
                                                      shared_key_value),
             differential=differential,
             differential_epsilon=differential_epsilon,
+            use_query_scale=checks.boolean("use_query_scale",
+                                           use_query_scale),
             **head_features,
         )
         self.supports_masking = True
@@ -334,6 +342,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         self._layout = self._feature_sizes = None  # the inputs', built
         self._adopted = {}  # built projections by name, for `build`
         self._differential_layer = None  # `differential`'s, built
+        self.query_scale = None  # `use_query_scale`'s weight, built
 
     # Read-only as in Keras (the others: `with_read_only` above).
     scale = _read_only("settings.scale",
@@ -417,6 +426,10 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
                 settings.differential_epsilon, name="differential",
                 dtype=self.dtype_policy)
             self._differential_layer.build()
+        if settings.use_query_scale:
+            self.query_scale = self.add_weight(
+                name="query_scale", shape=(heads, settings.key_dim),
+                initializer="ones")
 
     # ------------------------------------------------------------------- call
 
@@ -514,11 +527,7 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
         the scores (in the returned layout), the cache and the keys and
         values when given."""
         context = self._layout.from_sequence(context, query)  # (B, ..., N, V)
-        context = projections.normalized_heads(self, context)
-        if self.settings.differential is not None:
-            context = self._differential_layer(context)  # (B, ..., N/2, V)
-        if gate is not None:
-            context = ops.multiply(context, gate)
+        context = projections.heads_to_project(self, context, gate)
         if scores is not None:
             scores = ops.cast(scores, self.compute_dtype)
         # The output carries the query's Keras mask: `Layer.__call__` sets it.

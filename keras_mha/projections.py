@@ -237,15 +237,21 @@ def normalized_inputs(layer, query, value, key):
             normalized_value if key is value else norm(key))
 
 
-def normalized_heads(layer, context):
-    """The attention's heads `(B, ..., N, V)` with the layer's
-    `output_norm` applied to each token's `N·V` features together (BitNet's
-    sub-norm), before the gate and the output projection."""
-    norm = layer.settings.output_norm
-    if norm is None:
-        return context
+def heads_to_project(layer, context, gate=None):
+    """What the output projection takes of the attention's heads `(B, ...,
+    N, V)`: times the `gate` (`use_gate`), then the layer's `output_norm`
+    over each token's `N·V` features together (BitNet's sub-norm, Dory's
+    L2 norm after its gate), and differential attention's `N/2` pairs
+    (`keras_mha.differential`, which takes neither of the others)."""
     settings = layer.settings
-    shape = ops.shape(context)
-    merged = ops.reshape(
-        context, (*shape[:-2], settings.num_heads * settings.value_dim))
-    return ops.reshape(norm(merged), shape)
+    if gate is not None:
+        context = ops.multiply(context, gate)
+    norm = settings.output_norm
+    if norm is not None:
+        shape = ops.shape(context)
+        merged = ops.reshape(
+            context, (*shape[:-2], settings.num_heads * settings.value_dim))
+        context = ops.reshape(norm(merged), shape)
+    if settings.differential is not None:
+        context = layer.differential_layer(context)  # (B, ..., N/2, V)
+    return context

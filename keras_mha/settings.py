@@ -104,6 +104,8 @@ class MultiHeadSettings(AttentionSettings):
         differential, differential_epsilon: `None` or `λ_init`, and the
             norm's epsilon, of differential attention
             (`keras_mha.differential`).
+        use_query_scale: whether a weight `(N, H)` multiplies the queries
+            after the rotary embedding (`heads.queries`).
     """
 
     key_dim: int
@@ -127,6 +129,7 @@ class MultiHeadSettings(AttentionSettings):
     key_value_source: Any = None
     differential: Any = None
     differential_epsilon: float = 1e-5
+    use_query_scale: bool = False
 
 
 # The latent layer's values of the settings it has not.

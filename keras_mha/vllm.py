@@ -72,10 +72,9 @@ def paged_attention(layer, query, value, key, cache, context,
         sliding_window=settings.sliding_window,
         soft_cap=settings.attn_logits_soft_cap,
     )  # (B, T, N, V)
-    context_heads = projections.normalized_heads(layer, context_heads)
-    if settings.use_gate:  # rank-3 inputs: heads laid out as the gate's
-        gate = layer.sublayer("gate")(query)  # (B, T, N, V)
-        context_heads = ops.multiply(context_heads, gate)
+    # Rank-3 inputs: the heads laid out as the gate's `(B, T, N, V)`.
+    gate = layer.sublayer("gate")(query) if settings.use_gate else None
+    context_heads = projections.heads_to_project(layer, context_heads, gate)
     output = layer.sublayer("output")(context_heads)  # (B, T, E)
     return output if cache is None else (output, cache)
 

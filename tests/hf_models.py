@@ -66,13 +66,25 @@ def build_causal_lm(config, seed=0, scale=0.25):
 def redraw(modules, scale):
     """Redraws the modules' parameters as `scale · N(0, 1)` from torch's
     generator: a model's own initialization is too small for the scores,
-    and so the positions, to matter."""
+    and so the positions, to matter.
+
+    A parameter `s` that its module uses as `s · s_scale` (nGPT's stored
+    scales: Dory's `sqk`, `s_gate`, with `sqk_scale`, `s_gate_scale`, in
+    the thousands) is drawn so that `s · s_scale` is `1 + scale · N(0,
+    1)`: drawn as the others, its products would reach the tens of
+    thousands and saturate what they scale."""
     import torch
 
     with torch.no_grad():
         for module in modules:
-            for parameter in module.parameters():
-                parameter.copy_(torch.randn(parameter.shape) * scale)
+            for name, parameter in module.named_parameters():
+                owner, _, leaf = name.rpartition(".")
+                holder = module.get_submodule(owner) if owner else module
+                stored = getattr(holder, f"{leaf}_scale", None)
+                draw = torch.randn(parameter.shape) * scale
+                if isinstance(stored, (int, float)) and stored:
+                    draw = (1.0 + draw) / stored
+                parameter.copy_(draw)
 
 
 def attention_modules(model):

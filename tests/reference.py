@@ -3,7 +3,7 @@
 Loops over nothing clever: project, rotate (RoPE), score, modify the
 logits (soft-cap, bias, ALiBi), mask, softmax over the allowed keys (with
 a sink logit in the denominator; rows with no key get zeros), weighted
-sum, gate, output projection. The features follow their papers:
+sum, gate, norm, output projection. The features follow their papers:
 
 - RoPE (Su et al., rotate-half pairing of GPT-NeoX/Llama): the pair
   `(x_i, x_{i+d/2})` is the complex number `x_i + i·x_{i+d/2}` turned by
@@ -20,6 +20,7 @@ sum, gate, output projection. The features follow their papers:
 - the query temperature (Llama 4): the query at `p` times
   `1 + scale·log(1 + floor((p + 1) / floor_scale))`;
 - chunked attention (Llama 4): `j // C == p // C`;
+- a scale per query feature after the rotation (nGPT's `s_qk`, Dory);
 - differential attention (Ye et al., DiffLlama): heads `i` and `i + N/2`
   give `RMSNorm(o_i - λ·o_{i+N/2})·(1 - λ_init)`, with
   `λ = exp(λ_q1·λ_k1) - exp(λ_q2·λ_k2) + λ_init`.
@@ -144,6 +145,7 @@ def reference_attention(
     input_norm=None,
     output_norm=None,
     differential=None,
+    query_factors=None,
 ):
     """Returns `(output, weights)` for rank-3 inputs, in float64.
 
@@ -164,8 +166,10 @@ def reference_attention(
     memory_too)`: the query's features normalized (RMS, or a LayerNorm
     with a `bias`), and the value's and key's with `memory_too`;
     `output_norm` `None` or `(epsilon, scale, bias)`, each token's heads
-    normalized together before the gate. `differential` is `None` or
+    normalized together after the gate. `differential` is `None` or
     `(lambda_init, epsilon, (λ_q1, λ_k1, λ_q2, λ_k2))`: the heads' pairs.
+    `query_factors` is `None` or `(N, H)`: each query feature's factor
+    after the rotation and the temperature (`use_query_scale`).
     """
     f64 = lambda x: None if x is None else np.asarray(x, dtype="float64")
     query, value = f64(query), f64(value)
@@ -209,6 +213,8 @@ def reference_attention(
             growth = 1.0 + factor * np.log(1.0 + np.floor((p + 1)
                                                           / floor_scale))
         q = q * growth[None, :, None, None]
+    if query_factors is not None:
+        q = q * np.asarray(query_factors, "float64")
 
     allowed = np.ones((batch, num_heads, t_len, s_len), dtype=bool)
     pos = query_offset + np.arange(t_len)[:, None]
@@ -261,6 +267,11 @@ def reference_attention(
             e = np.exp(logits - logits.max())
             probs[index][row] = (e / e.sum())[: row.sum()]
     context = np.einsum("bnts,bsnv->btnv", probs, v)
+    if "gate" in weights:
+        gate = _project(query, weights["gate"], weights["gate_bias"])
+        context = context * (np.logaddexp(0.0, gate)
+                             if gate_activation == "softplus"
+                             else 1.0 / (1.0 + np.exp(-gate)))
     if output_norm is not None:
         context = rms_norm(context, "projection", *output_norm)
     if differential is not None:
@@ -269,11 +280,6 @@ def reference_attention(
         half = num_heads // 2
         context = context[:, :, :half] - factor * context[:, :, half:]
         context = rms_norm(context, "head", epsilon) * (1.0 - lambda_init)
-    if "gate" in weights:
-        gate = _project(query, weights["gate"], weights["gate_bias"])
-        context = context * (np.logaddexp(0.0, gate)
-                             if gate_activation == "softplus"
-                             else 1.0 / (1.0 + np.exp(-gate)))
     out = np.tensordot(context, weights["output"], axes=([2, 3], [0, 1]))
     if weights["output_bias"] is not None:
         out = out + weights["output_bias"]

@@ -52,6 +52,7 @@ LAYER_FEATURES = {
                            "scale": 0.5},
     # Differential attention: heads `i` and `i + 3` pair up.
     "differential": {"differential": 0.3},
+    "query_scale": {"use_query_scale": True},
     "all": {
         "rotary_embedding": lambda: keras_mha.RotaryEmbedding(100),
         "scale": 0.5,
@@ -59,6 +60,7 @@ LAYER_FEATURES = {
         "use_sinks": True,
         "use_alibi": True,
         "differential": 0.3,
+        "use_query_scale": True,
     },
 }
 
@@ -99,6 +101,9 @@ def _layer(x, name, window, seed=0):
     )
     if layer.sinks is not None:
         layer.sinks.assign(np.linspace(-1.0, 2.0, N).astype("float32"))
+    if layer.query_scale is not None:  # ones at first: made to matter
+        layer.query_scale.assign(np.random.default_rng(seed).uniform(
+            0.2, 2.0, (N, H)).astype("float32"))
     return layer
 
 
@@ -508,7 +513,8 @@ class TestErrors:
             keras_mha.MultiHeadAttention(key_dim=4, **kwargs)
 
     @pytest.mark.parametrize("name", ["use_sinks", "use_alibi",
-                                      "alibi_before_scale"])
+                                      "alibi_before_scale",
+                                      "use_query_scale"])
     @pytest.mark.parametrize("value", [1, "yes", None])
     def test_flags_must_be_bool(self, name, value):
         with pytest.raises(TypeError, match=f"`{name}`.*Received: {name}="):

@@ -1,8 +1,8 @@
 """The norms around the projections: `input_norm` (a Keras layer on the
 query, and on the value and key with `input_norm_scope="all"`:
 Megatron-BERT's and RoBERTa-PreLayerNorm's pre-norm) and `output_norm` (a Keras layer on each
-token's heads concatenated, before the gate and the output projection:
-BitNet's sub-norm), against the float64 reference (`reference.py`), on
+token's heads concatenated, after the gate and before the output
+projection: BitNet's sub-norm, Dory's L2 norm), against the float64 reference (`reference.py`), on
 every path, in the cache, compiled, in the config, the saved file and the
 weights.
 

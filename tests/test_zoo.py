@@ -29,7 +29,7 @@ BACKEND = keras.backend.backend()
 DOCS = pathlib.Path(__file__).parent.parent / "docs" / "importing.md"
 BEGIN, END = "<!-- zoo table: begin -->", "<!-- zoo table: end -->"
 # The fewest families that must import; raised as families are added.
-AT_LEAST = 172
+AT_LEAST = 173
 
 # One family per feature, run on every backend.
 FEATURES = {
@@ -65,6 +65,8 @@ FEATURES = {
     "megatron-bert": "a LayerNorm of the input inside the block",
     "bitnet": "a norm of the heads before the output projection",
     "diffllama": "differential attention: pairs of heads, subtracted",
+    "dory": "L2 norms, a query scale after RoPE, a scaled gate, a norm "
+            "after the gate",
 }
 # Families whose tiny model does not build from their defaults, and why.
 NOT_BUILT = {
@@ -173,6 +175,22 @@ def test_falcon_with_alibi_is_refused_by_name():
     config.alibi = True
     module = hf_zoo.attention_modules(model_class(config))[0]
     with pytest.raises(ValueError, match=r"FalconAttention.*alibi=True"):
+        keras_mha.from_torch(module, config=config)
+
+
+def test_an_l2_norm_where_the_layer_has_none_is_refused_by_name():
+    """An L2 norm (Dory's) imports where the layer's norm can hold it as
+    an RMS norm with a scale (`hf_norms._l2`); as Gemma 4's weightless
+    value norm, which has no scale, it is refused, not read as the RMS
+    norm it is not."""
+    from transformers.models.dory.modeling_dory import DoryL2Norm
+
+    model_class, config = hf_zoo.tiny_config("gemma4_text")
+    module = next(m for m in hf_zoo.attention_modules(model_class(config))
+                  if hasattr(m, "v_norm"))
+    module.v_norm = DoryL2Norm()
+    with pytest.raises(ValueError, match=r"Gemma4TextAttention's `v_norm` "
+                       r"\(DoryL2Norm\) is an L2 norm"):
         keras_mha.from_torch(module, config=config)
 
 

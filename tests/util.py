@@ -38,6 +38,7 @@ OURS_ONLY = (
     "output_norm",
     "differential",
     "differential_epsilon",
+    "use_query_scale",
 )
 
 
@@ -141,6 +142,9 @@ def reference(layer, query, value, key=None, **kwargs):
                                          memory_too))
     if layer.output_norm is not None:
         kwargs.setdefault("output_norm", norm_arguments(layer.output_norm))
+    if layer.query_scale is not None:
+        kwargs.setdefault("query_factors",
+                          to_numpy(layer.query_scale).astype("float64"))
     pairs = layer.differential_layer
     if pairs is not None:
         kwargs.setdefault("differential", (
