@@ -5,7 +5,7 @@ With `differential=λ_init`, `MultiHeadAttention`'s `N` heads pair up: head
 `i` with head `i + N/2`. Each attends as usual, with its own query and
 key (and its group's key/value head under GQA). Then
 
-    out_i = RMSNorm(o_i - λ · o_{i + N/2}) · (1 - λ_init)
+    out_i = RMSNorm(o_i - λ·o_{i + N/2}) · (1 - λ_init)
 
 with `λ = exp(λ_q1 · λ_k1) - exp(λ_q2 · λ_k2) + λ_init`. The norm is over
 each pair's `V` features, without a weight. The output projection then

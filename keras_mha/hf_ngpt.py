@@ -20,35 +20,35 @@ import dataclasses
 from keras_mha import host
 
 
-def query_scale(module, used):
+def query_scale(module, used, size):
     """The `(N·H,)` factors of the queries after the rotary embedding, or
-    `None` for a module without `sqk`."""
-    factors = _factors(module, "sqk", used)
-    return None if factors is None else factors.astype("float32")
+    `None` for a module without `sqk` (or one not of `size`, which leaves
+    `sqk` unread)."""
+    factors = _factors(module, "sqk")
+    if factors is None or factors.shape[0] != size:
+        return None  # `sqk` unread: refused by name
+    used.add("sqk")
+    return factors.astype("float32")
 
 
 def folded_gate(module, used, gate):
     """The gate's `Dense` (one row per head's feature) with `s_gate`'s
     factors folded into its rows and bias, or `gate` as it is for a module
     without `s_gate` (or without a gate, which leaves `s_gate` unread)."""
-    if gate is None:
-        return gate
-    factors = _factors(module, "s_gate", used)
+    factors = None if gate is None else _factors(module, "s_gate")
     if factors is None or factors.shape[0] != gate.weight.shape[0]:
-        if factors is not None:
-            used.discard("s_gate")  # refused by name: a gate of another size
-        return gate
+        return gate  # `s_gate` unread: refused by name
+    used.add("s_gate")
     return dataclasses.replace(
         gate, weight=gate.weight * factors[:, None],
         bias=None if gate.bias is None else gate.bias * factors)
 
 
-def _factors(module, name, used):
+def _factors(module, name):
     """`(s · scale)²` of the parameter `name` and its `name_scale`, or
     `None` where the module lacks either."""
     parameter = dict(module.named_parameters(recurse=False)).get(name)
     scale = getattr(module, f"{name}_scale", None)
     if parameter is None or not isinstance(scale, (int, float)):
         return None
-    used.add(name)
     return (host.to_numpy(parameter).astype("float64") * float(scale)) ** 2

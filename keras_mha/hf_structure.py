@@ -177,7 +177,7 @@ def read(module, name, head_layout, family, values_are_keys=False):
     if "qk_scale" in dict(module.named_buffers(recurse=False)):
         used.add("qk_scale")
         logit_factor = float(host.to_numpy(module.qk_scale)) ** 2
-    query_scale = hf_ngpt.query_scale(module, used)
+    query_scale = hf_ngpt.query_scale(module, used, query.weight.shape[0])
     check_all_read(module, children, used | {"sinks"}, name)
     return Structure(query, key, value, output, gate, *norms, sinks, fused,
                      value_norm, logit_factor, output_norm=output_norm,

@@ -78,13 +78,14 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
     Weights: the `EinsumDense` sublayers `query`, `key`, (`gate`), `value`
     and `attention_output`, Keras's names, shapes and order, then `sinks`,
     `query_norm`, `key_norm`, the `input_norm`'s and the `output_norm`'s,
-    then `differential`'s four vectors, then `query_scale`; `set_weights(keras_layer.get_weights())`
-    works both ways. `settings` holds the constructor's values resolved
-    (`value_dim`, `num_key_value_heads` and `scale` filled in) as one
-    frozen value (`keras_mha.settings.MultiHeadSettings`); read-only
-    properties give them as Keras's do, and the sublayers (`query_dense`,
-    `key_dense`, `value_dense`, `output_dense`, `query_norm`, `key_norm`;
-    `sublayer(name)`).
+    then `differential`'s four vectors, then `query_scale`;
+    `set_weights(keras_layer.get_weights())` works both ways. `settings`
+    holds the constructor's values resolved (`value_dim`,
+    `num_key_value_heads` and `scale` filled in) as one frozen value
+    (`keras_mha.settings.MultiHeadSettings`); read-only properties give
+    them as Keras's do, and the sublayers (`query_dense`, `key_dense`,
+    `value_dense`, `output_dense`, `query_norm`, `key_norm`,
+    `differential_layer`; `sublayer(name)`).
 
     Args:
         num_heads: `N`, the number of query heads.
@@ -181,14 +182,13 @@ class MultiHeadAttention(hooks.LayerHooks, properties.Configured,
             attention (`keras_mha.differential`, DiffLlama). Head `i` pairs
             with head `i + N/2` (`num_heads` even); each pair gives
             `RMSNorm(o_i - λ·o_{i+N/2})·(1 - λ_init)`, `λ` from four
-            trainable `(key_dim,)` vectors, and the output projection takes
-            the `N/2` pairs. No `use_gate` or `output_norm` with it.
-        differential_epsilon: the pairs' norm's epsilon.
+            trainable `(key_dim,)` vectors; the output projection takes the
+            `N/2` pairs. No `use_gate` or `output_norm` with it;
+            `differential_epsilon` is the norm's.
         use_query_scale: adds a trainable weight `query_scale` `(num_heads,
-            key_dim)`, ones at first, that multiplies each query's
-            features after the rotary embedding and the temperature
-            (nGPT's `s_qk`, Dory): a scale per feature, which a rotation
-            would mix were it folded into the projection.
+            key_dim)`, ones at first, multiplying the queries' features
+            after the rotary embedding and the temperature (nGPT's `s_qk`,
+            Dory), which the query projection cannot hold.
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
