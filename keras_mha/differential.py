@@ -23,6 +23,8 @@ value heads, so `from_torch` makes its layer with `V = 2H`
 import keras
 from keras import ops
 
+from keras_mha import heads
+
 
 class Differential(keras.layers.Layer):
     """The weights `lambda_q1`, `lambda_k1`, `lambda_q2`, `lambda_k2`
@@ -60,11 +62,10 @@ class Differential(keras.layers.Layer):
         """`(B, ..., N, V)` heads -> `(B, ..., N/2, V)` pairs."""
         half = self.num_heads // 2
         dtype = keras.backend.standardize_dtype(context.dtype)
-        # The norm in float32 at least, as the rest of the layer's
-        # reductions (a half dtype's sum of squares loses digits).
+        # In float32 at least: the pairs' difference cancels what both
+        # heads share, which a half dtype would round away.
         wide = "float64" if dtype == "float64" else "float32"
         x = ops.cast(context, wide)
         x = x[..., :half, :] - ops.cast(self.factor(), wide) * x[..., half:, :]
-        x = x * ops.rsqrt(ops.mean(ops.square(x), axis=-1, keepdims=True)
-                          + self.epsilon)
+        x = heads.normalize(x, "head", self.epsilon)
         return ops.cast(x * (1.0 - self.lambda_init), dtype)
